@@ -1,0 +1,243 @@
+"""The mesh's aiohttp application: routes, the error middleware, background work.
+
+`create_app(cfg)` builds it; `serve(app, host, port)` runs it with handler cancellation on
+(a client that leaves cancels its request, so both legs are cut and the KV released).
+Long-lived work (the pooled ClientSession, health probes, pending releases) lives in
+`cleanup_ctx` and is cancelled and awaited on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mesh import __version__
+from mesh.config import MeshConfig
+from mesh.errors import MeshError, PayloadTooLarge, error_body
+from mesh.fleet import Fleet, Registry, StaticRegistry
+from mesh.metrics import Metrics
+from mesh.proxy import Background, Proxy
+from mesh.request import check_request_id, parse
+from mesh.snapshot import RoutingTable
+from mesh.upstream import Upstream
+from policies import Policy, create
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class MeshState:
+    cfg: MeshConfig
+    mesh_id: str
+    fleet: Fleet
+    metrics: Metrics
+    policies: dict[str, Policy]
+    background: Background
+    started_at: float
+    proxy: Proxy | None = None
+
+
+STATE = web.AppKey("atomesh_state", MeshState)
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(e: MeshError, request_id: str | None = None) -> web.Response:
+    headers = dict(e.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return web.Response(body=e.body(), status=e.status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The one place where exceptions become HTTP answers; never a traceback in a body."""
+    try:
+        return await handler(request)
+    except MeshError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.Response(body=error_body(e.reason, "invalid_request_error", None, str(e.status)),
+                            status=e.status, content_type="application/json")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # noqa: BLE001 - the boundary: log it, answer 500 without internals
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.Response(body=error_body("internal error in the mesh", "server_error"), status=500,
+                            content_type="application/json")
+
+
+# -- OpenAI routes --------------------------------------------------------------------------
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    st = request.app[STATE]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    status = 500
+    rid = None
+    try:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(f"body exceeds the limit of {st.cfg.limits.max_body_bytes} bytes") from None
+        h = request.headers
+        creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
+                     session_key=h.get(st.cfg.session_header))
+        rid = creq.request_id
+        assert st.proxy is not None
+        resp = await st.proxy.handle(request, creq)
+        status = resp.status
+        return resp
+    except MeshError as e:
+        status = e.status
+        if e.status >= 500:
+            log.warning("request %s failed: %s", rid, e.message)
+        return error_response(e, rid)
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client left
+        raise
+    finally:
+        st.metrics.request_done(kind, status, loop.time() - t0)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    created = int(st.started_at)
+    return json_response({"object": "list", "data": [
+        {"id": m, "object": "model", "created": created, "owned_by": "atomesh"}
+        for m in st.fleet.table.models]})
+
+
+# -- operations routes ----------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok", "mesh_id": request.app[STATE].mesh_id})
+
+
+def readiness(st: MeshState) -> dict[str, Any]:
+    table = st.fleet.table
+    if st.cfg.pd:
+        servable = [m for m in table.models
+                    if table.candidates("prefill", m) and table.candidates("decode", m)]
+    else:
+        servable = [m for m in table.models if table.candidates("worker", m)]
+    return {"ready": bool(servable), "models": servable, "healthy": st.fleet.healthy_counts(),
+            "registry_stale": st.fleet.registry.stale}
+
+
+async def ready(request: web.Request) -> web.Response:
+    body = readiness(request.app[STATE])
+    return json_response(body, status=200 if body["ready"] else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    st.metrics.set_healthy(st.fleet.healthy_counts())
+    return web.Response(body=generate_latest(st.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def workers(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    fl = st.fleet
+    rows = []
+    for w in fl.workers():
+        load = fl.loads.get(w.id)
+        rows.append({"id": w.id, "role": w.role, "url": w.url, "model": w.model,
+                     "healthy": fl.healthy(w.id), "draining": w.record.draining,
+                     "in_flight": fl.in_flight.get(w.id, 0),
+                     "load": load.encode() if load else None, "record": w.record.encode()})
+    return json_response({"mesh_id": st.mesh_id, "mode": "pd" if st.cfg.pd else "regular",
+                          "workers": rows})
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+async def _runtime(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    cfg = st.cfg
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+    session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
+                                    auto_decompress=False)
+    upstream = Upstream(session, st.fleet, st.metrics, cfg.timeouts)
+    st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id)
+    await st.fleet.registry.start(st.fleet.on_membership)
+    await st.fleet.probe_all(session, timeout=min(2.0, cfg.health_interval * 2))
+    probes = asyncio.create_task(st.fleet.run_probes(session, cfg.health_interval), name="health-probes")
+    try:
+        yield
+    finally:
+        probes.cancel()
+        await asyncio.gather(probes, return_exceptions=True)
+        await st.background.drain(cfg.timeouts.release)
+        await st.fleet.registry.close()
+        await session.close()
+
+
+def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str | None = None) -> web.Application:
+    if registry is None:
+        registry = StaticRegistry((*cfg.prefill, *cfg.decode, *cfg.workers))
+    roles = ("prefill", "decode") if cfg.pd else ("worker",)
+    names = {"prefill": cfg.prefill_policy, "decode": cfg.decode_policy, "worker": cfg.worker_policy}
+    policies = {r: create(names[r], **cfg.policy_options.get(names[r], {})) for r in roles}
+
+    def on_rebuild(table: RoutingTable) -> None:
+        for role, p in policies.items():
+            retain = getattr(p, "retain", None)
+            if retain is not None:
+                retain(w.id for w in table.all_workers if w.role == role)
+
+    fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, on_rebuild=on_rebuild)
+    metrics_ = Metrics(fleet.in_flight_rows)
+    st = MeshState(cfg=cfg, mesh_id=mesh_id or f"mesh-{os.urandom(4).hex()}", fleet=fleet,
+                   metrics=metrics_, policies=policies, background=Background(), started_at=time.time())
+    app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.limits.max_body_bytes)
+    app[STATE] = st
+    app.cleanup_ctx.append(_runtime)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/workers", workers)
+    return app
+
+
+async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start serving `app`; returns the runner (call `cleanup()` to stop)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+    await site.start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+    raise RuntimeError("site is not started")

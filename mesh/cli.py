@@ -1,0 +1,221 @@
+"""`mesh` command line: serve | mock-fleet | demo.
+
+argparse lives here and only here: it builds the frozen configs and hands them over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any, Awaitable, Callable
+
+from mesh.config import MeshConfig, Timeouts, load_toml, workers_from
+from mesh.errors import ConfigError
+from mesh.request import Limits
+
+log = logging.getLogger("mesh")
+
+
+def _run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run `main(stop)` on uvloop when installed; SIGTERM / SIGINT set `stop`."""
+    try:
+        import uvloop
+        factory: Any = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        factory = None
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(wrapper())
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+def build_config(a: argparse.Namespace) -> MeshConfig:
+    doc = load_toml(a.config) if a.config else {}
+    m = doc.get("mesh", {})
+    if not isinstance(m, dict):
+        raise ConfigError("[mesh] must be a table")
+    ws = workers_from(doc, a.prefill or [], a.decode or [], a.worker or [])
+    to = Timeouts(**m.get("timeouts", {})) if isinstance(m.get("timeouts"), dict) else Timeouts()
+    lim = Limits(**m.get("limits", {})) if isinstance(m.get("limits"), dict) else Limits()
+
+    def pick(flag: Any, key: str, default: Any) -> Any:
+        return flag if flag is not None else m.get(key, default)
+
+    try:
+        return MeshConfig(
+            host=a.host, port=a.port, prefill=ws["prefill"], decode=ws["decode"], workers=ws["worker"],
+            prefill_policy=pick(a.prefill_policy, "prefill_policy", "cache_aware"),
+            decode_policy=pick(a.decode_policy, "decode_policy", "least_loaded"),
+            worker_policy=pick(a.worker_policy, "worker_policy", "least_loaded"),
+            policy_options=m.get("policy_options", {}),
+            decode_retries=pick(a.decode_retries, "decode_retries", 1),
+            session_header=m.get("session_header", "X-Session-Id"),
+            health_interval=pick(a.health_interval, "health_interval", 2.0),
+            unhealthy_after=m.get("unhealthy_after", 2), timeouts=to, limits=lim)
+    except TypeError as e:
+        raise ConfigError(f"[mesh]: {e}") from None
+
+
+async def _serve(cfg: MeshConfig, stop: asyncio.Event, announce: str | None = None) -> None:
+    from mesh.app import bound_port, create_app, start_site
+
+    if not (cfg.prefill or cfg.decode or cfg.workers):
+        raise ConfigError("no workers: give --prefill/--decode (PD) or --worker (regular), or --config")
+    runner = await start_site(create_app(cfg), cfg.host, cfg.port)
+    port = bound_port(runner)
+    log.info("mesh listening on http://%s:%d (%s mode)", cfg.host, port, "PD" if cfg.pd else "regular")
+    print(f"mesh http://{cfg.host}:{port}", flush=True)
+    if announce:
+        print(announce.format(host=cfg.host, port=port), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    cfg = build_config(a)
+    _run(lambda stop: _serve(cfg, stop))
+
+
+# -- mock-fleet -----------------------------------------------------------------------------
+
+def _fleet_spec(a: argparse.Namespace) -> Any:
+    from workers.mock import FleetSpec, MockTiming
+
+    return FleetSpec(prefill=a.prefill, decode=a.decode, host=a.host, base_port=a.base_port, model=a.model,
+                     pp_size=a.pp_size, tp_size=a.tp_size, num_blocks=a.num_blocks, ttl_s=a.kv_ttl,
+                     timing=MockTiming(prefill_ms_per_token=a.prefill_ms_per_token,
+                                       decode_ms_per_token=a.decode_ms_per_token, jitter=a.jitter),
+                     seed=a.seed)
+
+
+def cmd_mock_fleet(a: argparse.Namespace) -> None:
+    from workers.mock import MockFleet
+
+    spec = _fleet_spec(a)
+
+    async def main(stop: asyncio.Event) -> None:
+        fleet = MockFleet(spec)
+        await fleet.start()
+        try:
+            for w in fleet.prefills:
+                print(f"prefill {w.url}", flush=True)
+            for w2 in fleet.decodes:
+                print(f"decode {w2.url}", flush=True)
+            print("ready", flush=True)
+            await stop.wait()
+        finally:
+            await fleet.close()
+
+    _run(main)
+
+
+# -- demo (what `make run` starts) ----------------------------------------------------------
+
+DEMO_TEXT = """
+Atomesh is up: a PD mesh on http://{host}:{port} over a mock fleet (1 prefill pipeline with
+2 stages, 1 decode engine with 2 ranks, real KV side channel over ZMQ). Try:
+
+  curl -s http://{host}:{port}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "mock-model", "prompt": "Hello, mesh", "max_tokens": 8}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='http://{host}:{port}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='mock-model', max_tokens=8, \\
+messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
+
+Also: /v1/models  /workers  /ready  /metrics   (Ctrl-C stops everything)
+"""
+
+
+def cmd_demo(a: argparse.Namespace) -> None:
+    from mesh.config import make_worker
+    from workers.mock import FleetSpec, MockFleet, MockTiming
+
+    async def main(stop: asyncio.Event) -> None:
+        fleet = MockFleet(FleetSpec(prefill=1, decode=1, pp_size=2, tp_size=2, host=a.host,
+                                    timing=MockTiming(prefill_ms_per_token=0.01, decode_ms_per_token=5)))
+        await fleet.start()
+        try:
+            cfg = MeshConfig(
+                host=a.host, port=a.port,
+                prefill=tuple(make_worker("prefill", {"url": w.url, "id": w.id, "model": w.model,
+                                                      "pp_size": w.pp_size, "stages": w.record_stages()}, i)
+                              for i, w in enumerate(fleet.prefills)),
+                decode=tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model,
+                                                    "tp_size": w.tp_size}, i)
+                             for i, w in enumerate(fleet.decodes)))
+            await _serve(cfg, stop, announce=DEMO_TEXT)
+        finally:
+            await fleet.close()
+
+    _run(main)
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mesh", description="Atomesh: a prefill/decode disaggregation gateway")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--prefill", action="append", metavar="URL", help="a prefill pipeline (stage-0 URL)")
+    s.add_argument("--decode", action="append", metavar="URL", help="a decode engine (rank-0 URL)")
+    s.add_argument("--worker", action="append", metavar="URL", help="a full worker (regular, non-PD mode)")
+    s.add_argument("--config", metavar="FILE", help="TOML file with [mesh] and [[prefill]]/[[decode]]/[[worker]]")
+    s.add_argument("--prefill-policy")
+    s.add_argument("--decode-policy")
+    s.add_argument("--worker-policy")
+    s.add_argument("--decode-retries", type=int)
+    s.add_argument("--health-interval", type=float)
+    s.set_defaults(func=cmd_serve)
+
+    f = sub.add_parser("mock-fleet", help="run mock prefill pipelines and decode engines")
+    f.add_argument("--prefill", type=int, default=1)
+    f.add_argument("--decode", type=int, default=1)
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--base-port", type=int, default=0)
+    f.add_argument("--model", default="mock-model")
+    f.add_argument("--pp-size", type=int, default=1)
+    f.add_argument("--tp-size", type=int, default=1)
+    f.add_argument("--num-blocks", type=int, default=4096)
+    f.add_argument("--kv-ttl", type=float, default=120.0)
+    f.add_argument("--prefill-ms-per-token", type=float, default=0.0)
+    f.add_argument("--decode-ms-per-token", type=float, default=0.0)
+    f.add_argument("--jitter", type=float, default=0.0)
+    f.add_argument("--seed", type=int)
+    f.set_defaults(func=cmd_mock_fleet)
+
+    d = sub.add_parser("demo", help="a mesh over a local fleet, with a curl line to try (make run)")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8000)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        a.func(a)
+    except (ConfigError, ValueError) as e:
+        print(f"mesh: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

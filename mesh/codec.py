@@ -1,0 +1,121 @@
+"""A small typed codec for wire messages: frozen dataclasses <-> plain dicts.
+
+`@message` turns a dataclass into a wire message with `decode(dict)` and `encode()`.
+Field types come from the annotations: str, int, float, bool, dict, Any, another
+message, `tuple[T, ...]` of those, and `T | None`. Unknown keys are kept in `extra` and
+written back by `encode()`, so a message passes through the mesh untouched (engines add
+fields of their own). A bad value raises `ProtocolError` naming the field's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, TypeVar
+
+from mesh.errors import ProtocolError
+
+T = TypeVar("T")
+_Check = Callable[[Any, str], Any]
+_Enc = Callable[[Any], Any]
+
+
+def _fail(path: str, what: str) -> typing.NoReturn:
+    raise ProtocolError(f"{path}: {what}", param=path)
+
+
+def _scalar(kind: type) -> _Check:
+    name = kind.__name__
+
+    def check(v: Any, path: str) -> Any:
+        # bool is an int in Python; refuse it where a number is meant, and vice versa
+        if type(v) is kind or (kind is float and type(v) is int):
+            return v
+        _fail(path, f"expected {name}, got {type(v).__name__}")
+
+    return check
+
+
+def _any(v: Any, path: str) -> Any:
+    return v
+
+
+def _dict(v: Any, path: str) -> Any:
+    if isinstance(v, dict):
+        return v
+    _fail(path, f"expected object, got {type(v).__name__}")
+
+
+def _plan(tp: Any) -> tuple[_Check, _Enc | None]:
+    """A checker and an encoder (None: the value encodes as itself) for annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner, enc = _plan(args[0])
+
+        def opt(v: Any, path: str) -> Any:
+            return None if v is None else inner(v, path)
+
+        return opt, (None if enc is None else (lambda v: None if v is None else enc(v)))
+    if origin is tuple:
+        inner, enc = _plan(typing.get_args(tp)[0])
+
+        def seq(v: Any, path: str) -> Any:
+            if not isinstance(v, (list, tuple)):
+                _fail(path, f"expected array, got {type(v).__name__}")
+            return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(v))
+
+        return seq, (lambda v: [enc(x) for x in v]) if enc else list
+    if isinstance(tp, type) and hasattr(tp, "__wire__"):
+        return (lambda v, path: tp.decode(v, path)), (lambda v: v.encode())
+    if tp is Any:
+        return _any, None
+    if tp is dict:
+        return _dict, None
+    if tp in (str, int, float, bool):
+        return _scalar(tp), None
+    raise TypeError(f"unsupported wire type {tp!r}")
+
+
+def message(cls: type[T]) -> type[T]:
+    """Class decorator: frozen slotted dataclass with `decode`/`encode` and an `extra` dict."""
+    if "extra" not in cls.__annotations__:
+        cls.__annotations__["extra"] = dict
+        cls.extra = dataclasses.field(default_factory=dict, compare=False)  # type: ignore[attr-defined]
+    dc = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    hints = typing.get_type_hints(dc)
+    plan: list[tuple[str, _Check, _Enc | None, bool]] = []
+    for f in dataclasses.fields(dc):
+        if f.name == "extra":
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        check, enc = _plan(hints[f.name])
+        plan.append((f.name, check, enc, required))
+    known = frozenset(p[0] for p in plan)
+
+    @classmethod  # type: ignore[misc]
+    def decode(klass: type[T], data: Any, path: str = "") -> T:
+        if not isinstance(data, dict):
+            _fail(path or klass.__name__, f"expected object, got {type(data).__name__}")
+        kw: dict[str, Any] = {}
+        for name, check, _enc, required in plan:
+            if name in data:
+                kw[name] = check(data[name], f"{path}.{name}" if path else name)
+            elif required:
+                _fail(f"{path}.{name}" if path else name, "missing")
+        if len(data) > len(kw):
+            kw["extra"] = {k: v for k, v in data.items() if k not in known}
+        return klass(**kw)
+
+    def encode(self: Any) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra) if self.extra else {}
+        for name, _check, enc, _req in plan:
+            v = getattr(self, name)
+            out[name] = enc(v) if enc is not None else v
+        return out
+
+    dc.decode = decode  # type: ignore[attr-defined]
+    dc.encode = encode  # type: ignore[attr-defined]
+    dc.__wire__ = True  # type: ignore[attr-defined]
+    return dc

@@ -1,0 +1,143 @@
+"""Mesh configuration: frozen dataclasses, built by the CLI from flags and a TOML file.
+
+A TOML file looks like::
+
+    [mesh]
+    prefill_policy = "cache_aware"
+    decode_policy = "least_loaded"
+    decode_retries = 1
+
+    [[prefill]]
+    id = "pipe-a"
+    url = "http://10.0.0.1:8100"
+    model = "llama"
+    pp_size = 2
+
+    [[decode]]
+    id = "dec-a"
+    url = "http://10.0.0.2:8200"
+    model = "llama"
+    tp_size = 2
+
+    [[worker]]            # regular (non-PD) mode: one pool of full workers
+    url = "http://10.0.0.3:8000"
+
+Any field of the PROTOCOL.md section 2 records may appear in a worker table; `model` may be
+left out, and is then learnt from the worker's `GET /v1/models`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from mesh.errors import ConfigError, ProtocolError
+from mesh.protocol import DecodeRecord, PrefillRecord
+from mesh.request import Limits
+from mesh.snapshot import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float = 3.0          # TCP connect to a worker
+    prefill: float = 120.0        # whole prefill leg
+    decode_first_byte: float = 60.0  # decode leg until its first byte (KV pull included)
+    decode_idle: float = 60.0     # between two chunks of the decode stream
+    release: float = 5.0          # a POST /kv/release
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ConfigError(f"timeouts.{f.name} must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: tuple[Worker, ...] = ()
+    decode: tuple[Worker, ...] = ()
+    workers: tuple[Worker, ...] = ()           # regular (non-PD) mode
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "least_loaded"
+    worker_policy: str = "least_loaded"
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    decode_retries: int = 1
+    session_header: str = "X-Session-Id"
+    health_interval: float = 2.0
+    unhealthy_after: int = 2
+    timeouts: Timeouts = Timeouts()
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.decode_retries < 0:
+            raise ConfigError("decode_retries must be >= 0")
+        if self.health_interval <= 0:
+            raise ConfigError("health_interval must be > 0")
+        if self.unhealthy_after < 1:
+            raise ConfigError("unhealthy_after must be >= 1")
+        if self.workers and (self.prefill or self.decode):
+            raise ConfigError("workers (regular mode) and prefill/decode (PD mode) are exclusive")
+        ids = [w.id for w in (*self.prefill, *self.decode, *self.workers)]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ConfigError(f"duplicate worker id(s): {', '.join(sorted(dup))}")
+
+    @property
+    def pd(self) -> bool:
+        return not self.workers
+
+
+def _check_url(url: Any, where: str) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}.url must be a string")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}.url must be an http(s) URL with a host, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"{where}.url has a bad port: {url!r}") from None
+    return url.rstrip("/")
+
+
+def make_worker(role: str, spec: dict[str, Any], index: int) -> Worker:
+    """A static worker from a TOML table or a bare `--prefill URL` flag."""
+    where = f"{role}[{index}]"
+    url = _check_url(spec.get("url"), where)
+    data = {"id": f"{role}-{index}", "model": "", **spec, "url": url}
+    cls = PrefillRecord if role == "prefill" else DecodeRecord
+    try:
+        record = cls.decode(data, where)
+    except ProtocolError as e:
+        raise ConfigError(str(e)) from None
+    return Worker(id=record.id, role=role, url=url, model=record.model, record=record)  # type: ignore[arg-type]
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r}: {e}") from None
+
+
+def workers_from(doc: dict[str, Any], prefill_urls: list[str], decode_urls: list[str],
+                 worker_urls: list[str]) -> dict[str, tuple[Worker, ...]]:
+    """Static workers from a TOML document plus URL flags."""
+    out: dict[str, tuple[Worker, ...]] = {}
+    for role, table, urls in (("prefill", "prefill", prefill_urls), ("decode", "decode", decode_urls),
+                              ("worker", "worker", worker_urls)):
+        specs = list(doc.get(table, []))
+        if not all(isinstance(s, dict) for s in specs):
+            raise ConfigError(f"[[{table}]] entries must be tables")
+        specs += [{"url": u} for u in urls]
+        out[role] = tuple(make_worker(role, s, i) for i, s in enumerate(specs))
+    return out

@@ -1,0 +1,131 @@
+"""One exception tree for the mesh; each class knows its HTTP status and OpenAI error type.
+
+The error middleware in `mesh.app` is the only place that turns these into responses
+(`MeshError.body()`); everything else raises.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class MeshError(Exception):
+    """Base of every error the mesh raises on purpose."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+# -- client side (4xx) -------------------------------------------------------------------
+
+class InvalidRequest(MeshError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(MeshError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(MeshError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class ModelNotFound(MeshError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(MeshError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class Overloaded(MeshError):
+    status = 429
+    type = "rate_limit_error"
+    code = "overloaded"
+
+
+# -- upstream side (5xx) -----------------------------------------------------------------
+
+class UpstreamError(MeshError):
+    """A worker failed: connection refused, 5xx, garbage in its answer."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+
+class UpstreamClientError(MeshError):
+    """A worker refused the request with a 4xx: passed on to the client as it came."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, raw_body: bytes, message: str) -> None:
+        super().__init__(message, status=status, code="upstream_rejected")
+        self.raw_body = raw_body
+
+    def body(self) -> bytes:
+        return self.raw_body
+
+
+class UpstreamTimeout(MeshError):
+    status = 504
+    type = "upstream_timeout"
+    code = "upstream_timeout"
+
+
+class NoWorker(MeshError):
+    """No healthy worker of the needed role serves the model."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_worker"
+
+
+class ProtocolError(MeshError):
+    """A message on a worker boundary does not match PROTOCOL.md."""
+
+    status = 502
+    type = "upstream_error"
+    code = "protocol_error"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+class KVTransferError(MeshError):
+    """The KV hand-off failed: a stage answered ok=false, or the deadline passed."""
+
+    status = 502
+    type = "upstream_error"
+    code = "kv_transfer_failed"

@@ -1,0 +1,164 @@
+"""The mesh's live picture of its fleet: membership, health, load and the routing table.
+
+Membership comes from a `Registry` (static here, etcd later). Health comes from an active
+probe of each worker's `GET /load` every `health_interval` seconds and passively from
+failed calls. The routing table is rebuilt only when membership or health changes; the
+request path reads `fleet.table` and the `in_flight` counter dict, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Callable, Iterable, Protocol
+
+import aiohttp
+import orjson
+
+from mesh.errors import ProtocolError
+from mesh.protocol import LoadReport
+from mesh.snapshot import RoutingTable, Worker
+
+log = logging.getLogger(__name__)
+
+
+class Registry(Protocol):
+    """Where membership comes from. `workers()` is an immutable snapshot."""
+
+    def workers(self) -> tuple[Worker, ...]: ...
+
+    @property
+    def stale(self) -> bool: ...
+
+    async def start(self, on_change: Callable[[], None]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class StaticRegistry:
+    """Workers given on the command line or in a TOML file; never changes."""
+
+    stale = False
+
+    def __init__(self, workers: Iterable[Worker]) -> None:
+        self._workers = tuple(workers)
+
+    def workers(self) -> tuple[Worker, ...]:
+        return self._workers
+
+    async def start(self, on_change: Callable[[], None]) -> None:
+        on_change()
+
+    async def close(self) -> None:
+        pass
+
+
+class Fleet:
+    def __init__(self, registry: Registry, *, unhealthy_after: int = 2,
+                 on_rebuild: Callable[[RoutingTable], None] | None = None) -> None:
+        self.registry = registry
+        self.unhealthy_after = unhealthy_after
+        self.in_flight: dict[str, int] = {}
+        self.loads: dict[str, LoadReport] = {}
+        self.models: dict[str, str] = {}          # learnt from /v1/models when not configured
+        self._fails: dict[str, int] = {}
+        self._healthy: set[str] = set()
+        self._known: tuple[Worker, ...] = ()
+        self._on_rebuild = on_rebuild
+        self.table = RoutingTable()
+
+    # -- membership and health -> routing table ----------------------------------------------
+
+    def workers(self) -> tuple[Worker, ...]:
+        """Registry workers, with models learnt from the workers filled in."""
+        out = []
+        for w in self.registry.workers():
+            if not w.model and self.models.get(w.id):
+                w = dataclasses.replace(w, model=self.models[w.id])
+            out.append(w)
+        return tuple(out)
+
+    def on_membership(self) -> None:
+        ws = self.registry.workers()
+        new = {w.id for w in ws} - {w.id for w in self._known}
+        self._healthy |= new          # optimistic until a probe or a call says otherwise
+        self._known = ws
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        ws = self.workers()
+        ids = {w.id for w in ws}
+        self._healthy &= ids
+        for d in (self._fails, self.loads, self.models):
+            for k in [k for k in d if k not in ids]:
+                del d[k]
+        self.table = RoutingTable.build(ws, frozenset(self._healthy))
+        if self._on_rebuild is not None:
+            self._on_rebuild(self.table)
+
+    def healthy(self, worker_id: str) -> bool:
+        return worker_id in self._healthy
+
+    def mark_ok(self, worker_id: str) -> None:
+        self._fails[worker_id] = 0
+        if worker_id not in self._healthy:
+            self._healthy.add(worker_id)
+            log.info("worker %s is healthy", worker_id)
+            self.rebuild()
+
+    def mark_failed(self, worker_id: str) -> None:
+        n = self._fails.get(worker_id, 0) + 1
+        self._fails[worker_id] = n
+        if n >= self.unhealthy_after and worker_id in self._healthy:
+            self._healthy.discard(worker_id)
+            log.warning("worker %s is unhealthy after %d failures", worker_id, n)
+            self.rebuild()
+
+    def healthy_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self._known:
+            if w.id in self._healthy:
+                out[w.role] = out.get(w.role, 0) + 1
+        return out
+
+    def in_flight_rows(self) -> list[tuple[str, str, int]]:
+        return [(w.id, w.role, self.in_flight.get(w.id, 0)) for w in self._known]
+
+    # -- active probe ---------------------------------------------------------------------
+
+    async def probe_all(self, session: aiohttp.ClientSession, timeout: float) -> None:
+        ws = self.workers()
+        await asyncio.gather(*(self._probe(session, w, timeout) for w in ws))
+        self.rebuild()
+
+    async def _probe(self, session: aiohttp.ClientSession, w: Worker, timeout: float) -> None:
+        to = aiohttp.ClientTimeout(total=timeout)
+        try:
+            async with session.get(f"{w.url}/load", timeout=to) as r:
+                if r.status != 200:
+                    raise ProtocolError(f"/load answered {r.status}")
+                self.loads[w.id] = LoadReport.decode(orjson.loads(await r.read()), "load")
+            if not w.model:
+                async with session.get(f"{w.url}/v1/models", timeout=to) as r:
+                    data = orjson.loads(await r.read())
+                    models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and m.get("id")]
+                    if models:
+                        self.models[w.id] = models[0]
+        except (aiohttp.ClientError, TimeoutError, ProtocolError, orjson.JSONDecodeError,
+                AttributeError, KeyError, TypeError) as e:
+            log.debug("probe of %s failed: %s", w.id, e)
+            self._fails[w.id] = self._fails.get(w.id, 0) + 1
+            if self._fails[w.id] >= self.unhealthy_after:
+                self._healthy.discard(w.id)
+            return
+        self._fails[w.id] = 0
+        self._healthy.add(w.id)
+
+    async def run_probes(self, session: aiohttp.ClientSession, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.probe_all(session, timeout=max(0.5, interval))
+            except Exception:  # noqa: BLE001 - the probe loop must outlive any one bad round
+                log.exception("health probe round failed")

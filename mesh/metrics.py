@@ -1,0 +1,81 @@
+"""Prometheus metrics (`atomesh_*`), one registry per mesh app.
+
+Labelled children are cached in plain dicts so the hot path pays a dict lookup, not
+prometheus-client's label resolution. In-flight counts per worker are read at scrape time
+by a collector, so the request path only touches the mesh's own counter dict.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _InFlight(Collector):
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        g = GaugeMetricFamily("atomesh_worker_in_flight", "Requests in flight on each worker, "
+                              "as counted by this mesh", labels=["worker", "role"])
+        for wid, role, n in self._read():
+            g.add_metric([wid, role], n)
+        yield g
+
+
+class Metrics:
+    def __init__(self, in_flight: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self._requests = Counter("atomesh_requests", "Client requests by route and status",
+                                 ["route", "status"], registry=r)
+        self._latency = Histogram("atomesh_request_duration_seconds", "Client request latency, "
+                                  "first byte in to last byte out", ["route"], buckets=LATENCY_BUCKETS,
+                                  registry=r)
+        self._ttft = Histogram("atomesh_ttft_seconds", "Time to the first streamed byte", ["route"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self._leg = Histogram("atomesh_leg_duration_seconds", "Duration of each leg of a request",
+                              ["leg"], buckets=LATENCY_BUCKETS, registry=r)
+        self._upstream_errors = Counter("atomesh_upstream_errors", "Failed calls to workers",
+                                        ["leg", "kind"], registry=r)
+        self._retries = Counter("atomesh_decode_retries", "Decode legs retried on another engine",
+                                registry=r)
+        self._releases = Counter("atomesh_kv_release_requests", "POST /kv/release sent by the mesh",
+                                 ["reason", "outcome"], registry=r)
+        self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r)
+        r.register(_InFlight(in_flight))
+        self._cache: dict[tuple[str, ...], object] = {}
+
+    def _child(self, metric: object, *labels: str) -> object:
+        key = (id(metric), *labels)  # type: ignore[arg-type]
+        c = self._cache.get(key)  # type: ignore[arg-type]
+        if c is None:
+            c = self._cache[key] = metric.labels(*labels)  # type: ignore[attr-defined]
+        return c
+
+    def request_done(self, route: str, status: int, seconds: float) -> None:
+        self._child(self._requests, route, str(status)).inc()  # type: ignore[attr-defined]
+        self._child(self._latency, route).observe(seconds)  # type: ignore[attr-defined]
+
+    def ttft(self, route: str, seconds: float) -> None:
+        self._child(self._ttft, route).observe(seconds)  # type: ignore[attr-defined]
+
+    def leg(self, leg: str, seconds: float) -> None:
+        self._child(self._leg, leg).observe(seconds)  # type: ignore[attr-defined]
+
+    def upstream_error(self, leg: str, kind: str) -> None:
+        self._child(self._upstream_errors, leg, kind).inc()  # type: ignore[attr-defined]
+
+    def retry(self) -> None:
+        self._retries.inc()
+
+    def release_sent(self, reason: str, outcome: str) -> None:
+        self._child(self._releases, reason, outcome).inc()  # type: ignore[attr-defined]
+
+    def set_healthy(self, counts: Mapping[str, int]) -> None:
+        for role in ("prefill", "decode", "worker"):
+            self.healthy.labels(role).set(counts.get(role, 0))

@@ -1,0 +1,249 @@
+"""Typed messages of the Atomesh wire protocol (../shared/PROTOCOL.md, v1).
+
+One definition per message, used by the mesh, the real worker adapters and the mock fleet
+alike. Every message keeps unknown fields in `extra` and writes them back on `encode()`.
+Sections refer to PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from mesh.codec import message
+from mesh.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+DIALECT_ATOM = "atom"
+
+
+# -- section 2: registry records ------------------------------------------------------------
+
+@message
+class StageRecord:
+    """One stage of a prefill pipeline: where its KV side channel listens, which layers it owns."""
+    pp_rank: int
+    host: str
+    kv_port: int
+    layers: tuple[int, ...]  # [start, end)
+
+
+@message
+class PrefillRecord:
+    """`prefill/<pipeline_id>`: a prefill pipeline, routed to as one unit."""
+    id: str
+    model: str
+    url: str
+    pp_size: int = 1
+    tp_size: int = 1
+    block_size: int = 16
+    num_blocks: int = 0
+    kv_backend: str = "zmq"
+    dialect: str = DIALECT_ATOM
+    stages: tuple[StageRecord, ...] = ()
+    draining: bool = False
+
+
+@message
+class StageLiveness:
+    """`prefill/<pipeline_id>/stage/<pp_rank>`: one stage is alive (under its own lease)."""
+    pid: int
+    host: str
+    kv_port: int
+    started_at: float
+
+
+@message
+class RankRecord:
+    tp_rank: int
+    host: str
+    segment: str = ""
+
+
+@message
+class DecodeRecord:
+    """`decode/<engine_id>`: a decode engine (tp_size ranks behind one HTTP url)."""
+    id: str
+    model: str
+    url: str
+    tp_size: int = 1
+    block_size: int = 16
+    num_blocks: int = 0
+    kv_backend: str = "zmq"
+    dialect: str = DIALECT_ATOM
+    ranks: tuple[RankRecord, ...] = ()
+    draining: bool = False
+
+
+@message
+class MeshRecord:
+    """`mesh/<mesh_id>`: a mesh replica."""
+    url: str
+    version: str
+    started_at: float
+
+
+# -- sections 4-5: kv_transfer_params ---------------------------------------------------------
+
+@message
+class KVRequestParams:
+    """mesh -> prefill: where the KV will go (the decode engine picked for this request)."""
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_handshake_port: int
+    remote_tp_size: int
+    remote_dp_size: int = 1
+    do_remote_decode: bool = True
+    do_remote_prefill: bool = False
+
+
+@message
+class StageAddr:
+    pp_rank: int
+    host: str
+    port: int
+    layers: tuple[int, ...] = ()
+
+
+@message
+class KVHandoffParams:
+    """prefill -> mesh -> decode: where the KV is held and how to pull it."""
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[int, ...]
+    transfer_id: str
+    first_token_id: int
+    remote_handshake_port: int = 0
+    remote_pp_size: int = 1
+    tp_size: int = 1
+    dp_rank: int = 0
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+    stages: tuple[StageAddr, ...] = ()
+
+    def stage_addrs(self, dp_size: int = 1) -> tuple[StageAddr, ...]:
+        """The stages to pull from: `stages` when given, else ATOM's port layout (section 4)."""
+        if self.stages:
+            return self.stages
+        step = dp_size * self.tp_size
+        return tuple(
+            StageAddr(pp_rank=r, host=self.remote_host,
+                      port=self.remote_handshake_port + r * step + self.dp_rank * self.tp_size)
+            for r in range(self.remote_pp_size))
+
+
+def handoff_for_decode(raw: dict[str, Any]) -> dict[str, Any]:
+    """Section 5: every field of the prefill's params, verbatim, flipped for the decode side."""
+    out = dict(raw)
+    out["do_remote_prefill"] = True
+    out["do_remote_decode"] = False
+    return out
+
+
+# -- section 6: KV side channel (msgpack frames [type, body]) ----------------------------------
+
+@message
+class ConsumerRank:
+    """One decode rank's landing zone for a write."""
+    tp_rank: int
+    segment: str
+    head_start: int
+    head_end: int
+    region_addrs: tuple[int, ...] = ()
+
+
+@message
+class WriteRequest:
+    request_id: str
+    transfer_id: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    ranks: tuple[ConsumerRank, ...]
+    notify_host: str
+    notify_port: int
+    write_nonce: int
+
+
+@message
+class WriteDone:
+    request_id: str
+    transfer_id: str
+    pp_rank: int
+    tp_rank: int
+    write_nonce: int
+    ok: bool
+    error: str = ""
+
+
+@message
+class Release:
+    transfer_id: str
+    tp_rank: int
+
+
+SIDE_MESSAGES: dict[str, type] = {
+    "write_request": WriteRequest,
+    "write_done": WriteDone,
+    "release": Release,
+}
+_SIDE_NAMES = {cls: name for name, cls in SIDE_MESSAGES.items()}
+
+
+def encode_frame(msg: Any) -> bytes:
+    """A side-channel message as one msgpack frame `[type, body]`."""
+    return msgpack.packb([_SIDE_NAMES[type(msg)], msg.encode()])
+
+
+def decode_frame(frame: bytes) -> Any:
+    try:
+        kind, body = msgpack.unpackb(frame)
+    except Exception as e:  # noqa: BLE001 - any malformed frame is a protocol error
+        raise ProtocolError(f"side channel: undecodable frame ({e})") from None
+    cls = SIDE_MESSAGES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"side channel: unknown message type {kind!r}", param="type")
+    return cls.decode(body, kind)
+
+
+# -- section 7: holder HTTP API ---------------------------------------------------------------
+
+@message
+class HeldTransfer:
+    transfer_id: str
+    blocks: int
+    age_s: float
+    request_id: str = ""
+    mesh_id: str = ""
+
+
+@message
+class HeldList:
+    """`GET /kv/held` on a prefill pipeline."""
+    transfers: tuple[HeldTransfer, ...]
+
+
+@message
+class ReleaseCommand:
+    """`POST /kv/release` on a prefill pipeline (idempotent)."""
+    transfer_id: str
+    reason: str = "mesh-reclaim"
+
+
+@message
+class ReleaseResult:
+    transfer_id: str
+    released: bool
+
+
+@message
+class LoadReport:
+    """`GET /load` on any worker."""
+    in_flight: int
+    queued: int = 0
+    held_transfers: int = 0
+    free_blocks: int = 0
+    num_blocks: int = 0
+    draining: bool = False

@@ -1,0 +1,273 @@
+"""Request orchestration: the PD flow (dialect `atom`, PROTOCOL.md sections 4-5) and the
+regular single-pool flow.
+
+PD: pick a pipeline and a decode engine -> prefill leg (`max_tokens=1`, `stream=false`,
+`kv_transfer_params` asking for remote decode) -> decode leg with the prefill's
+`kv_transfer_params` forwarded verbatim -> the decode answer relayed byte for byte.
+
+Failure semantics:
+- prefill non-2xx or timeout: an OpenAI error (502/503/504, or the prefill's 4xx as it
+  came); decode is never called.
+- decode fails before its first byte: another decode engine is tried (`decode_retries`
+  times); if none succeeds, an error, and the prefill is told to release the KV.
+- decode fails mid-stream: the stream ends with an SSE `error` event.
+- client disconnect: the running leg is cancelled (its connection closed) and the prefill is
+  told to release the KV unless the decode leg already has it (its first byte arrived).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from mesh.config import MeshConfig
+from mesh.errors import (MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamClientError,
+                         UpstreamError, UpstreamTimeout, error_body)
+from mesh.fleet import Fleet
+from mesh.metrics import Metrics
+from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
+from mesh.request import ClientRequest
+from mesh.snapshot import View, Worker
+from mesh.upstream import Upstream, upstream_status_error
+from policies import Policy
+
+log = logging.getLogger(__name__)
+
+SSE_END = b"\n\n"
+
+
+class Background:
+    """Fire-and-forget work that must still finish (releases): kept, and awaited at shutdown."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        t = asyncio.ensure_future(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def drain(self, timeout: float) -> None:
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout)
+
+
+def prefill_body(body: dict[str, Any], decode: Worker, mesh_id: str) -> dict[str, Any]:
+    """Section 4: the client body with stream off, one token, and where the KV will go."""
+    out = dict(body)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    rec = decode.record
+    out["kv_transfer_params"] = KVRequestParams(
+        remote_engine_id=decode.id, remote_host=decode.host, remote_port=decode.port,
+        remote_handshake_port=int(rec.extra.get("kv_port", 0)), remote_tp_size=rec.tp_size,
+        extra={"mesh_id": mesh_id}).encode()
+    return out
+
+
+def error_event(err: MeshError) -> bytes:
+    return b"event: error\ndata: " + err.body() + SSE_END
+
+
+class Proxy:
+    def __init__(self, cfg: MeshConfig, fleet: Fleet, upstream: Upstream, metrics: Metrics,
+                 policies: dict[str, Policy], background: Background, mesh_id: str) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.up = upstream
+        self.metrics = metrics
+        self.policies = policies
+        self.bg = background
+        self.mesh_id = mesh_id
+        self.load = MappingProxyType(fleet.in_flight)
+        self.handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]] = (
+            self.pd if cfg.pd else self.regular)
+
+    # -- selection ------------------------------------------------------------------------
+
+    def _pick(self, role: str, creq: ClientRequest, exclude: tuple[Worker, ...] = ()) -> Worker:
+        cands = self.fleet.table.candidates(role, creq.model)
+        if exclude:
+            cands = tuple(w for w in cands if w not in exclude)
+        if not cands:
+            if exclude:
+                raise NoWorker(f"no other healthy {role} worker for model {creq.model!r}")
+            if creq.model not in self.fleet.table.models:
+                raise ModelNotFound(f"model {creq.model!r} is not served here; see GET /v1/models",
+                                    param="model")
+            raise NoWorker(f"no healthy {role} worker for model {creq.model!r}",
+                           headers={"Retry-After": "1"})
+        return self.policies[role].select(creq, View(cands, self.load))
+
+    # -- PD -------------------------------------------------------------------------------
+
+    async def pd(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        pw = self._pick("prefill", creq)
+        dw = self._pick("decode", creq)
+        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        try:
+            pres = await self.up.post_json("prefill", pw, creq.path, prefill_body(creq.body, dw, self.mesh_id),
+                                           headers, self.cfg.timeouts.prefill)
+        except asyncio.CancelledError:
+            # the prefill may have finished holding KV before it saw us leave
+            self.bg.spawn(self._reclaim_request(pw, creq.request_id))
+            raise
+        t1 = asyncio.get_running_loop().time()
+        self.metrics.leg("prefill", t1 - t0)
+        raw = pres.get("kv_transfer_params")
+        try:
+            kv = KVHandoffParams.decode(raw, "kv_transfer_params")
+        except ProtocolError as e:
+            if isinstance(raw, dict) and isinstance(raw.get("transfer_id"), str):
+                self.bg.spawn(self.up.release(pw, raw["transfer_id"], "bad-handoff"))
+            self.up.failed("prefill", pw, "garbage")
+            raise UpstreamError(f"prefill pipeline {pw.id} answered without valid kv_transfer_params: "
+                                f"{e.message}") from None
+        dbody = dict(creq.body)
+        dbody["kv_transfer_params"] = handoff_for_decode(raw)
+        data = orjson.dumps(dbody)
+        taken, reason = False, "decode-failed"
+        try:
+            dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
+            taken = True
+        except asyncio.CancelledError:
+            reason = "client-disconnect"
+            raise
+        finally:
+            if not taken:
+                self.bg.spawn(self.up.release(pw, kv.transfer_id, reason))
+        return await self._relay(request, creq, dw, resp, first, t0, t1)
+
+    async def _reclaim_request(self, pw: Worker, request_id: str) -> None:
+        for tid in await self.up.held_for_request(pw, request_id):
+            await self.up.release(pw, tid, "client-disconnect")
+
+    # -- regular --------------------------------------------------------------------------
+
+    async def regular(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        w = self._pick("worker", creq)
+        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        w, resp, first = await self._open_with_retry("worker", w, creq, await request.read(), headers)
+        return await self._relay(request, creq, w, resp, first, t0, t0)
+
+    # -- the streamed leg -------------------------------------------------------------------
+
+    async def _open_with_retry(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
+                               headers: dict[str, str]) -> tuple[Worker, aiohttp.ClientResponse, bytes]:
+        tried: tuple[Worker, ...] = ()
+        while True:
+            try:
+                resp, first = await self._open(role, w, creq, data, headers)
+                return w, resp, first
+            except (UpstreamError, UpstreamTimeout) as e:
+                tried += (w,)
+                if len(tried) > self.cfg.decode_retries:
+                    raise
+                try:
+                    w = self._pick(role, creq, exclude=tried)
+                except NoWorker:
+                    raise e from None
+                self.metrics.retry()
+                log.info("request %s: %s leg failed (%s); retrying on %s", creq.request_id, role,
+                         e.message, w.id)
+
+    async def _open(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
+                    headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Send the leg; return its response and first bytes (the whole body unless streaming).
+        On return the worker is counted in flight; `_relay` uncounts it."""
+        flight = self.fleet.in_flight
+        flight[w.id] = flight.get(w.id, 0) + 1
+        resp: aiohttp.ClientResponse | None = None
+        limit = self.cfg.timeouts.decode_first_byte
+        try:
+            async with asyncio.timeout(limit):
+                resp = await self.up.session.post(w.url + creq.path, data=data, headers=headers,
+                                                  timeout=self.up.stream)
+                if resp.status >= 300:
+                    body = await resp.read()
+                    self.up.failed(role, w, f"status_{resp.status // 100}xx", passive=resp.status >= 500)
+                    raise upstream_status_error(role, w, resp.status, body)
+                first = await (resp.content.readany() if creq.stream else resp.read())
+            if not first:
+                self.up.failed(role, w, "empty")
+                raise UpstreamError(f"{role} worker {w.id} closed its answer without a byte")
+            return resp, first
+        except BaseException as e:
+            flight[w.id] -= 1
+            if resp is not None:
+                resp.close()
+            if isinstance(e, TimeoutError):
+                self.up.failed(role, w, "timeout")
+                raise UpstreamTimeout(f"{role} worker {w.id} sent no byte within {limit:g}s") from None
+            if isinstance(e, aiohttp.ClientError):
+                self.up.failed(role, w, "connect" if isinstance(e, aiohttp.ClientConnectorError) else "transport")
+                raise UpstreamError(f"{role} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
+            raise
+
+    async def _relay(self, request: web.Request, creq: ClientRequest, w: Worker,
+                     resp: aiohttp.ClientResponse, first: bytes, t0: float, t_leg: float) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        role = "worker" if not self.cfg.pd else "decode"
+        try:
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if not creq.stream:
+                self.metrics.leg(role, loop.time() - t_leg)
+                out = web.Response(body=first, status=resp.status,
+                                   headers={"Content-Type": ctype, "X-Request-Id": creq.request_id})
+                return out
+            out = web.StreamResponse(status=resp.status, headers={
+                "Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
+            await out.prepare(request)
+            self.metrics.ttft(creq.kind, loop.time() - t0)
+            await self._pump(out, resp, first, w, role)
+            self.metrics.leg(role, loop.time() - t_leg)
+            return out
+        finally:
+            self.fleet.in_flight[w.id] -= 1
+            resp.close()
+
+    async def _pump(self, out: web.StreamResponse, resp: aiohttp.ClientResponse, first: bytes,
+                    w: Worker, role: str) -> None:
+        """Relay SSE bytes as they come. Only whole events go out, so an upstream cut mid-event
+        can be followed by a clean `error` event the client's SSE parser understands."""
+        read = resp.content.readany
+        pending = b""
+        chunk = first
+        while True:
+            if not pending and chunk.endswith(SSE_END):
+                await out.write(chunk)
+            else:
+                buf = pending + chunk
+                cut = buf.rfind(SSE_END)
+                if cut >= 0:
+                    await out.write(buf[:cut + 2])
+                pending = buf[cut + 2:] if cut >= 0 else buf
+            try:
+                chunk = await read()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                kind = "timeout" if isinstance(e, TimeoutError) else "transport"
+                self.up.failed(role, w, f"midstream_{kind}")
+                err: MeshError = (UpstreamTimeout(f"{role} worker {w.id} stalled mid-stream")
+                                  if kind == "timeout" else
+                                  UpstreamError(f"{role} worker {w.id} failed mid-stream: {e}"))
+                await out.write(error_event(err))
+                break
+            if not chunk:
+                if pending:
+                    await out.write(pending)
+                break
+        await out.write_eof()
+
+
+__all__ = ["Proxy", "Background", "prefill_body", "error_event", "error_body", "UpstreamClientError"]

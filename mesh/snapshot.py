@@ -1,0 +1,65 @@
+"""Immutable views of the fleet that routing policies read.
+
+The registry produces `Worker`s; the mesh combines them with health into a `RoutingTable`
+(rebuilt whenever membership or health changes, never per request) and hands a policy a
+`View`: the healthy candidates for one role and model plus the mesh's in-flight counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Mapping, Union
+
+from mesh.protocol import DecodeRecord, PrefillRecord
+
+Role = Literal["prefill", "decode", "worker"]
+Record = Union[PrefillRecord, DecodeRecord]
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One routable unit: a prefill pipeline, a decode engine, or a regular worker."""
+    id: str
+    role: Role
+    url: str
+    model: str
+    record: Record
+
+    @property
+    def host(self) -> str:
+        return self.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        hostport = self.url.split("://", 1)[-1].split("/", 1)[0]
+        if ":" in hostport:
+            return int(hostport.rsplit(":", 1)[1])
+        return 443 if self.url.startswith("https") else 80
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What a policy sees for one decision: candidates (never empty) and in-flight counts."""
+    workers: tuple[Worker, ...]
+    load: Mapping[str, int]  # worker id -> in-flight requests on it (read-only)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingTable:
+    """Healthy, non-draining workers grouped by (role, model); built off the request path."""
+    by_role_model: Mapping[tuple[str, str], tuple[Worker, ...]] = field(default_factory=dict)
+    models: tuple[str, ...] = ()
+    all_workers: tuple[Worker, ...] = ()
+
+    @classmethod
+    def build(cls, workers: tuple[Worker, ...], healthy: frozenset[str]) -> "RoutingTable":
+        groups: dict[tuple[str, str], list[Worker]] = {}
+        for w in workers:
+            if w.id in healthy and not w.record.draining and w.model:
+                groups.setdefault((w.role, w.model), []).append(w)
+        models = sorted({w.model for w in workers if w.model})
+        return cls(MappingProxyType({k: tuple(v) for k, v in groups.items()}), tuple(models), workers)
+
+    def candidates(self, role: str, model: str) -> tuple[Worker, ...]:
+        return self.by_role_model.get((role, model), ())

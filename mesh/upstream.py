@@ -1,0 +1,121 @@
+"""Calls to workers over the app's one pooled `ClientSession`.
+
+Every call counts itself in the fleet's in-flight dict, reports failures to the fleet's
+passive health check and to the metrics, and maps transport failures onto the mesh's
+exception tree: a timeout is `UpstreamTimeout`, anything else on the wire `UpstreamError`,
+a worker's 4xx `UpstreamClientError` (passed on as it came), its 5xx `UpstreamError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from mesh.config import Timeouts
+from mesh.errors import MeshError, UpstreamClientError, UpstreamError, UpstreamTimeout, error_body
+from mesh.fleet import Fleet
+from mesh.metrics import Metrics
+from mesh.snapshot import Worker
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def upstream_status_error(leg: str, w: Worker, status: int, body: bytes) -> MeshError:
+    """A worker's non-2xx answer as the error the client should see."""
+    if 400 <= status < 500 and status != 408:
+        return UpstreamClientError(status, _as_openai_error(body, status), f"{leg} refused: {status}")
+    if status in (503, 429):
+        return UpstreamError(f"{leg} worker {w.id} is unavailable ({status})", status=503,
+                             code="upstream_unavailable")
+    return UpstreamError(f"{leg} worker {w.id} failed with status {status}")
+
+
+def _as_openai_error(body: bytes, status: int) -> bytes:
+    try:
+        d = orjson.loads(body)
+        if isinstance(d, dict) and isinstance(d.get("error"), dict):
+            return body
+    except orjson.JSONDecodeError:
+        pass
+    text = body[:500].decode("utf-8", "replace")
+    return error_body(f"worker refused the request ({status}): {text}", "invalid_request_error")
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, metrics: Metrics,
+                 timeouts: Timeouts) -> None:
+        self.session = session
+        self.fleet = fleet
+        self.metrics = metrics
+        self.timeouts = timeouts
+        # connect bound by aiohttp; whole-call bounds by asyncio.timeout around the call;
+        # sock_read bounds the gap between two chunks of a stream
+        self.short = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
+        self.stream = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect,
+                                            sock_read=timeouts.decode_idle)
+
+    def failed(self, leg: str, w: Worker, kind: str, passive: bool = True) -> None:
+        self.metrics.upstream_error(leg, kind)
+        if passive:
+            self.fleet.mark_failed(w.id)
+
+    async def post_json(self, leg: str, w: Worker, path: str, body: dict[str, Any],
+                        headers: dict[str, str], timeout: float) -> dict[str, Any]:
+        """POST a JSON body, return the decoded JSON answer of a 2xx, or raise."""
+        flight = self.fleet.in_flight
+        flight[w.id] = flight.get(w.id, 0) + 1
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    async with self.session.post(w.url + path, data=orjson.dumps(body), headers=headers,
+                                                 timeout=self.short) as r:
+                        status = r.status
+                        data = await r.read()
+            except TimeoutError:
+                self.failed(leg, w, "timeout")
+                raise UpstreamTimeout(f"{leg} worker {w.id} did not answer within {timeout:g}s") from None
+            except aiohttp.ClientError as e:
+                self.failed(leg, w, "connect" if isinstance(e, aiohttp.ClientConnectorError) else "transport")
+                raise UpstreamError(f"{leg} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
+        finally:
+            flight[w.id] -= 1
+        if status >= 300:
+            self.failed(leg, w, f"status_{status // 100}xx", passive=status >= 500)
+            raise upstream_status_error(leg, w, status, data)
+        try:
+            out = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.failed(leg, w, "garbage")
+            raise UpstreamError(f"{leg} worker {w.id} answered with a body that is not JSON") from None
+        if not isinstance(out, dict):
+            self.failed(leg, w, "garbage")
+            raise UpstreamError(f"{leg} worker {w.id} answered with JSON that is not an object")
+        return out
+
+    async def release(self, w: Worker, transfer_id: str, reason: str) -> bool:
+        """`POST /kv/release` (idempotent on the holder). False when it could not be sent."""
+        try:
+            async with asyncio.timeout(self.timeouts.release):
+                async with self.session.post(
+                        w.url + "/kv/release", headers=JSON_HEADERS, timeout=self.short,
+                        data=orjson.dumps({"transfer_id": transfer_id, "reason": reason})) as r:
+                    await r.read()
+                    ok = r.status < 300
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        self.metrics.release_sent(reason, "ok" if ok else "failed")
+        return ok
+
+    async def held_for_request(self, w: Worker, request_id: str) -> list[str]:
+        """Transfer ids the holder keeps for one request (a prefill cut off mid-flight)."""
+        try:
+            async with asyncio.timeout(self.timeouts.release):
+                async with self.session.get(w.url + "/kv/held", timeout=self.short) as r:
+                    data = orjson.loads(await r.read())
+            return [t["transfer_id"] for t in data.get("transfers", [])
+                    if isinstance(t, dict) and t.get("request_id") == request_id]
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError, KeyError):
+            return []
