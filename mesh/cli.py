@@ -140,7 +140,6 @@ Also: /v1/models  /workers  /ready  /metrics   (Ctrl-C stops everything)
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
-    from mesh.config import make_worker
     from workers.mock import FleetSpec, MockFleet, MockTiming
 
     async def main(stop: asyncio.Event) -> None:
@@ -148,14 +147,8 @@ def cmd_demo(a: argparse.Namespace) -> None:
                                     timing=MockTiming(prefill_ms_per_token=0.01, decode_ms_per_token=5)))
         await fleet.start()
         try:
-            cfg = MeshConfig(
-                host=a.host, port=a.port,
-                prefill=tuple(make_worker("prefill", {"url": w.url, "id": w.id, "model": w.model,
-                                                      "pp_size": w.pp_size, "stages": w.record_stages()}, i)
-                              for i, w in enumerate(fleet.prefills)),
-                decode=tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model,
-                                                    "tp_size": w.tp_size}, i)
-                             for i, w in enumerate(fleet.decodes)))
+            pre, dec = fleet.mesh_workers()
+            cfg = MeshConfig(host=a.host, port=a.port, prefill=pre, decode=dec)
             await _serve(cfg, stop, announce=DEMO_TEXT)
         finally:
             await fleet.close()

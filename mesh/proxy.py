@@ -136,16 +136,15 @@ class Proxy:
         dbody = dict(creq.body)
         dbody["kv_transfer_params"] = handoff_for_decode(raw)
         data = orjson.dumps(dbody)
-        taken, reason = False, "decode-failed"
         try:
             dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
-            taken = True
         except asyncio.CancelledError:
-            reason = "client-disconnect"
+            self.bg.spawn(self.up.release(pw, kv.transfer_id, "client-disconnect"))
             raise
-        finally:
-            if not taken:
-                self.bg.spawn(self.up.release(pw, kv.transfer_id, reason))
+        except Exception:
+            # freed before the client hears of the failure
+            await self.up.release(pw, kv.transfer_id, "decode-failed")
+            raise
         return await self._relay(request, creq, dw, resp, first, t0, t1)
 
     async def _reclaim_request(self, pw: Worker, request_id: str) -> None:

@@ -133,7 +133,7 @@ class _Worker:
         return _json({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "mock"}]})
 
     async def _health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "id": self.id, "role": self.role})
+        return _json({"status": "ok", "id": self.id, "role": self.role, "requests_total": self.requests})
 
     async def _load(self, request: web.Request) -> web.Response:
         return _json(self.load().encode())
@@ -326,7 +326,7 @@ class MockPrefill(_Worker):
 
     async def generate(self, request: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
         kvp = body.get("kv_transfer_params")
-        if not (isinstance(kvp, dict) and kvp.get("do_remote_decode")):
+        if not (isinstance(kvp, dict) and kvp.get("do_remote_decode")) or self.faults.no_kv_params:
             return await super().generate(request, kind, body)
         try:
             want = KVRequestParams.decode(kvp, "kv_transfer_params")
@@ -499,3 +499,15 @@ class MockFleet:
         for w in (*self.prefills, *self.decodes):
             await w.close_kv()
         self._runners.clear()
+
+    def mesh_workers(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Static mesh `Worker`s for this fleet: (prefill pipelines, decode engines)."""
+        from mesh.config import make_worker
+
+        pre = tuple(make_worker("prefill", {"url": w.url, "id": w.id, "model": w.model, "pp_size": w.pp_size,
+                                            "block_size": w.block_size, "num_blocks": w.holder.pool.num_blocks,
+                                            "stages": w.record_stages()}, i)
+                    for i, w in enumerate(self.prefills))
+        dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model, "tp_size": w.tp_size}, i)
+                    for i, w in enumerate(self.decodes))
+        return pre, dec

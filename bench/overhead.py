@@ -1,0 +1,227 @@
+"""Mesh overhead benchmark: the mesh in front of a zero-latency mock fleet vs. calling it directly.
+
+Starts `mesh mock-fleet` (zero timing) and `mesh serve` as separate processes, then drives
+them with a closed-loop asyncio client at each concurrency, for non-streaming JSON and for
+64-token SSE, through the mesh and directly (the client runs the prefill leg, then the decode
+leg itself, exactly as the mesh would). Reports req/s, p50/p99 latency, TTFT, and the mesh
+process's own CPU time per request; writes JSON under bench/results/.
+
+    .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mesh.protocol import KVRequestParams, handoff_for_decode  # noqa: E402
+
+MESH = str(Path(sys.executable).parent / "mesh")
+
+
+@dataclass
+class Result:
+    target: str
+    mode: str
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    ttft_p50_ms: float
+    mesh_cpu_ms_per_req: float | None
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def start(cmd: list[str], until: str) -> tuple[subprocess.Popen[str], list[str]]:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = []
+    assert p.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{cmd[0:2]} exited early: {lines}")
+        lines.append(line.strip())
+        if line.startswith(until):
+            return p, lines
+    raise RuntimeError(f"{cmd} not ready")
+
+
+class Client:
+    def __init__(self, session: aiohttp.ClientSession, mesh: str, prefills: list[str], decodes: list[str]) -> None:
+        self.s, self.mesh, self.prefills, self.decodes = session, mesh, prefills, decodes
+        self.i = 0
+
+    def body(self, stream: bool) -> dict[str, Any]:
+        self.i += 1
+        b: dict[str, Any] = {"model": "mock-model", "prompt": f"benchmark prompt {self.i % 97} " * 8,
+                             "max_tokens": 64 if stream else 16}
+        if stream:
+            b["stream"] = True
+        return b
+
+    async def via_mesh(self, stream: bool) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        async with self.s.post(self.mesh + "/v1/completions", json=self.body(stream)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"mesh answered {r.status}")
+            first = await r.content.readany()
+            ttft = time.perf_counter() - t0
+            while first:
+                first = await r.content.readany()
+        return time.perf_counter() - t0, ttft
+
+    async def direct(self, stream: bool) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        body = self.body(stream)
+        p = self.prefills[self.i % len(self.prefills)]
+        d = self.decodes[self.i % len(self.decodes)]
+        host, port = d.split("://")[1].rsplit(":", 1)
+        pb = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": KVRequestParams(
+            remote_engine_id="d", remote_host=host, remote_port=int(port), remote_handshake_port=0,
+            remote_tp_size=1).encode()}
+        async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb),
+                               headers={"Content-Type": "application/json"}) as r:
+            kv = orjson.loads(await r.read())["kv_transfer_params"]
+        db = {**body, "kv_transfer_params": handoff_for_decode(kv)}
+        async with self.s.post(d + "/v1/completions", data=orjson.dumps(db),
+                               headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"decode answered {r.status}")
+            first = await r.content.readany()
+            ttft = time.perf_counter() - t0
+            while first:
+                first = await r.content.readany()
+        return time.perf_counter() - t0, ttft
+
+
+async def run_one(client: Client, target: str, stream: bool, conc: int, seconds: float,
+                  mesh_proc: psutil.Process) -> Result:
+    fn = client.via_mesh if target == "mesh" else client.direct
+    lat: list[float] = []
+    ttft: list[float] = []
+    errors = 0
+    for _ in range(min(50, conc * 5)):  # warm-up: connections and caches
+        await fn(stream)
+    stop_at = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        nonlocal errors
+        while time.perf_counter() < stop_at:
+            try:
+                a, b = await fn(stream)
+                lat.append(a)
+                ttft.append(b)
+            except Exception:  # noqa: BLE001 - counted, the run goes on
+                errors += 1
+
+    cpu0 = sum(mesh_proc.cpu_times()[:2])
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(conc)))
+    dt = time.perf_counter() - t0
+    cpu = sum(mesh_proc.cpu_times()[:2]) - cpu0
+    n = len(lat)
+    return Result(target, "sse64" if stream else "json", conc, n, errors, round(dt, 3), round(n / dt, 1),
+                  round(pct(lat, 0.5) * 1e3, 3), round(pct(lat, 0.99) * 1e3, 3),
+                  round(pct(ttft, 0.5) * 1e3, 3),
+                  round(cpu / n * 1e3, 4) if target == "mesh" and n else None)
+
+
+async def main(a: argparse.Namespace) -> list[Result]:
+    fleet, lines = start([MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode)], "ready")
+    prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
+    decodes = [line.split()[1] for line in lines if line.startswith("decode ")]
+    cmd = [MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
+           "--decode-policy", "round_robin"]
+    for u in prefills:
+        cmd += ["--prefill", u]
+    for u in decodes:
+        cmd += ["--decode", u]
+    mesh, mlines = start(cmd, "mesh ")
+    url = mlines[-1].split()[1]
+    results: list[Result] = []
+    try:
+        proc = psutil.Process(mesh.pid)
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            client = Client(s, url, prefills, decodes)
+            for stream in (False, True):
+                for conc in a.concurrency:
+                    for target in ("direct", "mesh"):
+                        r = await run_one(client, target, stream, conc, a.seconds, proc)
+                        results.append(r)
+                        print(f"{r.mode:5} c={conc:<3} {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  "
+                              f"p99 {r.p99_ms:7.2f} ms  ttft {r.ttft_p50_ms:7.2f} ms  errors {r.errors}"
+                              + (f"  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req" if r.mesh_cpu_ms_per_req else ""),
+                              flush=True)
+    finally:
+        for p in (mesh, fleet):
+            p.terminate()
+            p.wait(10)
+    return results
+
+
+def summary(results: list[Result]) -> list[dict[str, Any]]:
+    out = []
+    by = {(r.target, r.mode, r.concurrency): r for r in results}
+    for (t, mode, c), r in by.items():
+        if t != "mesh":
+            continue
+        d = by[("direct", mode, c)]
+        out.append({"mode": mode, "concurrency": c, "mesh_cpu_ms_per_req": r.mesh_cpu_ms_per_req,
+                    "added_p50_ms": round(r.p50_ms - d.p50_ms, 3),
+                    "rps_ratio_mesh_over_direct": round(r.rps / d.rps, 3) if d.rps else None,
+                    "p50_ratio_mesh_over_direct": round(r.p50_ms / d.p50_ms, 3) if d.p50_ms else None})
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--policy", default="cache_aware", help="prefill policy of the mesh")
+    args = ap.parse_args()
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    res = asyncio.run(main(args))
+    summ = summary(res)
+    print("\nsummary (mesh vs direct, same run):")
+    for s in summ:
+        print(f"  {s['mode']:5} c={s['concurrency']:<3} mesh cpu {s['mesh_cpu_ms_per_req']} ms/req  "
+              f"added p50 {s['added_p50_ms']:+.3f} ms  rps ratio {s['rps_ratio_mesh_over_direct']}")
+    out = ROOT / "bench" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "host": os.uname().nodename,
+                               "cpus": os.cpu_count(), "results": [asdict(r) for r in res],
+                               "summary": summ}, indent=2))
+    print(f"wrote {out}")

@@ -1,0 +1,157 @@
+"""Every failure semantic of the PD flow, against an in-process mesh and mock fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from mesh.config import Timeouts
+from workers.mock import FleetSpec, MockFaults, MockTiming
+
+BODY = {"model": "mock-model", "prompt": "failure semantics", "max_tokens": 5}
+
+
+async def post(http, url, body=BODY, **kw):
+    async with http.post(url + "/v1/completions", json=body, **kw) as r:
+        return r.status, await r.read()
+
+
+def err(raw: bytes) -> dict:
+    d = orjson.loads(raw)
+    assert set(d["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in d["error"]["message"]
+    return d["error"]
+
+
+@pytest.mark.parametrize("status,expect", [(500, 502), (503, 503), (400, 400), (422, 422)])
+async def test_prefill_error_status_and_decode_never_called(make_pd, http, status, expect):
+    pd = await make_pd()
+    pd.fleet.prefills[0].faults = MockFaults(status=status)
+    code, raw = await post(http, pd.url)
+    assert code == expect
+    e = err(raw)
+    if expect < 500:
+        assert e["code"] == "injected"  # the prefill's own 4xx body, passed on
+    assert pd.fleet.decodes[0].requests == 0
+
+
+async def test_prefill_timeout_is_504(make_pd, http):
+    pd = await make_pd(timeouts=Timeouts(prefill=0.3))
+    pd.fleet.prefills[0].faults = MockFaults(hang=True)
+    code, raw = await post(http, pd.url)
+    assert code == 504 and err(raw)["code"] == "upstream_timeout"
+    assert pd.fleet.decodes[0].requests == 0
+
+
+@pytest.mark.parametrize("fault", [MockFaults(garbage=True), MockFaults(no_kv_params=True)])
+async def test_prefill_garbage_is_502(make_pd, http, fault):
+    pd = await make_pd()
+    pd.fleet.prefills[0].faults = fault
+    code, raw = await post(http, pd.url)
+    assert code == 502
+    err(raw)
+    assert pd.fleet.decodes[0].requests == 0
+
+
+async def test_prefill_unreachable_is_502(make_pd, http):
+    pd = await make_pd()
+    await pd.fleet.close()  # nothing listens there any more
+    code, raw = await post(http, pd.url)
+    assert code == 502 and err(raw)["type"] == "upstream_error"
+
+
+async def test_decode_failure_before_first_byte_retried_on_other_engine(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=2), decode_policy="round_robin")
+    pd.fleet.decodes[0].faults = MockFaults(status=500)
+    for _ in range(4):
+        code, raw = await post(http, pd.url, {**BODY, "stream": True})
+        assert code == 200 and raw.endswith(b"data: [DONE]\n\n")
+    assert pd.fleet.decodes[1].requests == 4
+    assert b"atomesh_decode_retries_total 2.0" in await (await http.get(pd.url + "/metrics")).read()
+    assert await pd.wait_released() == 0
+
+
+async def test_decode_failure_without_retry_releases_kv(make_pd, http):
+    pd = await make_pd(decode_retries=0)
+    pd.fleet.decodes[0].faults = MockFaults(status=500)
+    code, raw = await post(http, pd.url)
+    assert code == 502 and err(raw)
+    assert pd.fleet.prefills[0].holder.freed_by["mesh-reclaim"] == 1
+    assert await pd.wait_released() == 0
+
+
+async def test_decode_timeout_before_first_byte(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=2), decode_policy="round_robin",
+                       timeouts=Timeouts(decode_first_byte=0.3))
+    for d in pd.fleet.decodes:
+        d.faults = MockFaults(hang=True)
+    code, raw = await post(http, pd.url)
+    assert code == 504 and err(raw)["code"] == "upstream_timeout"
+    assert sum(d.requests for d in pd.fleet.decodes) == 2  # the first try and one retry
+    assert await pd.wait_released() == 0
+
+
+async def test_decode_dies_mid_stream_ends_with_error_event(make_pd, http):
+    pd = await make_pd()
+    pd.fleet.decodes[0].faults = MockFaults(die_after_tokens=3)
+    code, raw = await post(http, pd.url, {**BODY, "max_tokens": 10, "stream": True})
+    assert code == 200
+    events = raw.split(b"\n\n")
+    assert raw.count(b'"text"') == 3
+    assert events[-2].startswith(b"event: error\ndata: ")
+    assert orjson.loads(events[-2].split(b"data: ", 1)[1])["error"]["type"] == "upstream_error"
+    assert await pd.wait_released() == 0  # the decode took and released the KV before dying
+
+
+async def test_client_disconnect_during_prefill(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, timing=MockTiming(prefill_ms_per_token=20)))
+    with pytest.raises(asyncio.TimeoutError):
+        await post(http, pd.url, timeout=aiohttp.ClientTimeout(total=0.15))
+    await asyncio.sleep(0.5)
+    assert pd.fleet.decodes[0].requests == 0
+    assert await pd.wait_released() == 0
+    assert pd.fleet.prefills[0].holder.pool.free == pd.fleet.prefills[0].holder.pool.num_blocks
+
+
+async def test_client_disconnect_between_legs_releases(make_pd, http):
+    # a slow stage holds the decode's KV pull: the client leaves while decode has not got the KV
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, pp_size=2))
+    pd.fleet.prefills[0].faults = MockFaults(slow_stage=1, slow_stage_ms=2000)
+    with pytest.raises(asyncio.TimeoutError):
+        await post(http, pd.url, timeout=aiohttp.ClientTimeout(total=0.3))
+    assert await pd.wait_released() == 0
+    assert pd.fleet.prefills[0].holder.freed_by["mesh-reclaim"] == 1
+
+
+async def test_client_disconnect_mid_decode(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, timing=MockTiming(decode_ms_per_token=50)))
+    async with http.post(pd.url + "/v1/completions", json={**BODY, "max_tokens": 100, "stream": True}) as r:
+        assert r.status == 200
+        await r.content.readany()
+    # the connection is closed with the stream unfinished
+    for _ in range(50):
+        if pd.fleet.decodes[0].in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert pd.fleet.decodes[0].in_flight == 0  # the mesh cut the decode leg
+    assert pd.state.fleet.in_flight == {"mock-decode-0": 0, "mock-prefill-0": 0}
+    assert await pd.wait_released() == 0
+
+
+async def test_no_healthy_decode_is_503(make_pd, http):
+    pd = await make_pd()
+    pd.state.fleet.mark_failed("mock-decode-0")
+    pd.state.fleet.mark_failed("mock-decode-0")
+    code, raw = await post(http, pd.url)
+    assert code == 503 and err(raw)["code"] == "no_healthy_worker"
+    async with http.get(pd.url + "/ready") as r:
+        assert r.status == 503
+
+
+async def test_kv_pool_exhausted_is_503(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, num_blocks=2))
+    code, raw = await post(http, pd.url, {**BODY, "prompt": "x" * 100})
+    assert code == 503 and err(raw)
