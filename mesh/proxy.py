@@ -34,7 +34,7 @@ from mesh.metrics import Metrics
 from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
 from mesh.request import ClientRequest
 from mesh.snapshot import View, Worker
-from mesh.upstream import Upstream, upstream_status_error
+from mesh.upstream import Upstream, payload, upstream_status_error
 from policies import Policy
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Proxy:
         limit = self.cfg.timeouts.decode_first_byte
         try:
             async with asyncio.timeout(limit):
-                resp = await self.up.session.post(w.url + creq.path, data=data, headers=headers,
+                resp = await self.up.session.post(w.url + creq.path, data=payload(data), headers=headers,
                                                   timeout=self.up.stream)
                 if resp.status >= 300:
                     body = await resp.read()

@@ -9,6 +9,7 @@ a worker's 4xx `UpstreamClientError` (passed on as it came), its 5xx `UpstreamEr
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,12 @@ from mesh.metrics import Metrics
 from mesh.snapshot import Worker
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+_BIG = 512 * 1024
+
+
+def payload(data: bytes) -> bytes | io.BytesIO:
+    """Large bodies go out as a stream so the event loop is not held by one write."""
+    return io.BytesIO(data) if len(data) > _BIG else data
 
 
 def upstream_status_error(leg: str, w: Worker, status: int, body: bytes) -> MeshError:
@@ -70,7 +77,7 @@ class Upstream:
         try:
             try:
                 async with asyncio.timeout(timeout):
-                    async with self.session.post(w.url + path, data=orjson.dumps(body), headers=headers,
+                    async with self.session.post(w.url + path, data=payload(orjson.dumps(body)), headers=headers,
                                                  timeout=self.short) as r:
                         status = r.status
                         data = await r.read()

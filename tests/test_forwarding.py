@@ -1,0 +1,108 @@
+"""PROTOCOL.md sections 4-5 on the wire: what each leg receives, recorded by worker doubles."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from aiohttp import web
+
+from mesh.app import bound_port, create_app, start_site
+from mesh.config import MeshConfig, make_worker
+
+PREFILL_KV = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "pipe-x",
+    "remote_host": "10.1.2.3", "remote_port": 7000, "remote_handshake_port": 7000,
+    "remote_block_ids": [4, 5, 6], "remote_pp_size": 2, "tp_size": 1, "dp_rank": 0,
+    "transfer_id": "tx-1", "first_token_id": 42,
+    "stages": [{"pp_rank": 0, "host": "10.1.2.3", "port": 7000, "layers": [0, 4], "stage_extra": "s"},
+               {"pp_rank": 1, "host": "10.1.2.4", "port": 7001, "layers": [4, 8]}],
+    "vendor_field": {"nested": [1, 2, {"x": None}]}, "another_unknown": 3.5,
+}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict, dict]] = []
+
+    def app(self, role: str) -> web.Application:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = orjson.loads(await request.read())
+            self.seen.append((role + request.path, request.headers.copy(), body))
+            if role == "prefill":
+                return web.json_response({"id": "p", "object": "text_completion", "choices": [
+                    {"index": 0, "text": " t42", "finish_reason": "length"}], "kv_transfer_params": PREFILL_KV})
+            if body.get("stream"):
+                r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await r.prepare(request)
+                # odd chunk boundaries: the mesh must relay the bytes as they are
+                for part in (b"data: {\"a\":", b" 1}\n\ndata: {\"b\": 2}\n", b"\ndata: [DONE]\n\n"):
+                    await r.write(part)
+                await r.write_eof()
+                return r
+            return web.Response(body=b'{"id": "d",  "spacing": "kept" }', content_type="application/json")
+
+        async def load(request: web.Request) -> web.Response:
+            return web.json_response({"in_flight": 0})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", handle)
+        app.router.add_post("/v1/chat/completions", handle)
+        app.router.add_get("/load", load)
+        return app
+
+
+@pytest.fixture
+async def recorded():
+    rec = Recorder()
+    runners = []
+    urls = {}
+    for role in ("prefill", "decode"):
+        r = web.AppRunner(rec.app(role))
+        await r.setup()
+        site = web.TCPSite(r, "127.0.0.1", 0)
+        await site.start()
+        runners.append(r)
+        urls[role] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": urls["prefill"], "model": "m"}, 0),),
+                     decode=(make_worker("decode", {"url": urls["decode"], "model": "m", "tp_size": 2,
+                                                    "kv_port": 9100}, 0),))
+    mesh = await start_site(create_app(cfg, mesh_id="mesh-test"), "127.0.0.1", 0)
+    runners.append(mesh)
+    yield rec, f"http://127.0.0.1:{bound_port(mesh)}", urls
+    for r in runners[::-1]:
+        await r.cleanup()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_legs_carry_the_protocol(recorded, http, path):
+    rec, url, urls = recorded
+    body = {"model": "m", "max_tokens": 30, "max_completion_tokens": 20, "stream": True,
+            "stream_options": {"include_usage": True}, "client_field": {"k": "v"}}
+    body.update({"prompt": "hello"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})
+    async with http.post(url + path, json=body, headers={"X-Request-Id": "rid-7"}) as r:
+        assert r.status == 200
+        assert r.headers["X-Request-Id"] == "rid-7"
+        raw = await r.read()
+    assert raw == b"data: {\"a\": 1}\n\ndata: {\"b\": 2}\n\ndata: [DONE]\n\n"
+    (ppath, ph, pb), (dpath, dh, db) = rec.seen
+    assert ppath == "prefill" + path and dpath == "decode" + path
+    assert ph["X-Request-Id"] == dh["X-Request-Id"] == "rid-7"
+    # section 4: the prefill leg
+    assert pb["stream"] is False and pb["max_tokens"] == 1 and pb["max_completion_tokens"] == 1
+    assert "stream_options" not in pb and pb["client_field"] == {"k": "v"}
+    kv = pb["kv_transfer_params"]
+    assert kv["do_remote_decode"] is True and kv["do_remote_prefill"] is False
+    assert kv["remote_engine_id"] == "decode-0" and kv["remote_tp_size"] == 2
+    assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == int(urls["decode"].rsplit(":", 1)[1])
+    assert kv["remote_handshake_port"] == 9100 and kv["remote_dp_size"] == 1
+    assert kv["mesh_id"] == "mesh-test"
+    # section 5: the decode leg gets the client's body and every prefill field verbatim
+    assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == body
+    assert db["kv_transfer_params"] == PREFILL_KV
+
+
+async def test_non_streaming_body_relayed_byte_for_byte(recorded, http):
+    rec, url, _ = recorded
+    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 200
+        assert await r.read() == b'{"id": "d",  "spacing": "kept" }'

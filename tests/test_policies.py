@@ -1,0 +1,170 @@
+"""Routing policies: the built-ins' behaviour and third-party policies through entry points."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+import policies
+from mesh.config import make_worker
+from mesh.request import ClientRequest
+from mesh.snapshot import View
+from tests.conftest import MESH_BIN, Proc
+
+
+def workers(n: int, role: str = "prefill"):
+    return tuple(make_worker(role, {"url": f"http://127.0.0.1:{9000 + i}", "id": f"w{i}", "model": "m"}, i)
+                 for i in range(n))
+
+
+def req(prompt: str = "p", kind: str = "completions", session: str | None = None, body=None) -> ClientRequest:
+    b = body or ({"model": "m", "prompt": prompt} if kind == "completions" else
+                 {"model": "m", "messages": [{"role": "user", "content": prompt}]})
+    return ClientRequest(kind, "m", False, False, None, b, "rid", session)
+
+
+def test_round_robin_cycles():
+    ws = workers(3)
+    p = policies.create("round_robin")
+    assert [p.select(req(), View(ws, {})).id for _ in range(6)] == ["w0", "w1", "w2"] * 2
+
+
+def test_random_is_seeded_and_covers_all():
+    ws = workers(4)
+    a = [policies.create("random", seed=7).select(req(), View(ws, {})).id for _ in range(1)]
+    b = [policies.create("random", seed=7).select(req(), View(ws, {})).id for _ in range(1)]
+    assert a == b
+    p = policies.create("random", seed=1)
+    assert {p.select(req(), View(ws, {})).id for _ in range(200)} == {"w0", "w1", "w2", "w3"}
+
+
+def test_power_of_two_avoids_the_busiest():
+    ws = workers(2)
+    p = policies.create("power_of_two", seed=3)
+    assert all(p.select(req(), View(ws, {"w0": 5, "w1": 1})).id == "w1" for _ in range(50))
+
+
+def test_least_loaded_and_tie_rotation():
+    ws = workers(3)
+    p = policies.create("least_loaded")
+    assert p.select(req(), View(ws, {"w0": 3, "w1": 0, "w2": 2})).id == "w1"
+    assert {p.select(req(), View(ws, {})).id for _ in range(6)} == {"w0", "w1", "w2"}
+
+
+def test_cache_aware_sticks_to_the_prefix_owner():
+    ws = workers(4)
+    p = policies.create("cache_aware", chunk_chars=16)
+    doc = "a long shared system prompt that many requests start with. " * 4
+    first = p.select(req(doc + "question one"), View(ws, {})).id
+    # other load moves, but the prefix owner is still chosen while balance holds
+    load = {w.id: 2 for w in ws}
+    for i in range(10):
+        assert p.select(req(doc + f"question {i}"), View(ws, load)).id == first
+    # an unrelated prompt goes to the least loaded
+    load = {"w0": 3, "w1": 3, "w2": 0, "w3": 3}
+    assert p.select(req("something else entirely, nothing shared here at all"), View(ws, load)).id == "w2"
+
+
+def test_cache_aware_chat_renders_every_message():
+    ws = workers(3)
+    p = policies.create("cache_aware", chunk_chars=8)
+    sys_msg = {"role": "system", "content": "same system prompt for all"}
+    a = {"model": "m", "messages": [sys_msg, {"role": "user", "content": "long conversation A " * 10}]}
+    b = {"model": "m", "messages": [sys_msg, {"role": "user", "content": "other conversation B " * 10}]}
+    wa = p.select(req(kind="chat", body=a), View(ws, {})).id
+    wb = p.select(req(kind="chat", body=b), View(ws, {wa: 1})).id
+    assert wa != wb  # the first message alone would have matched
+    follow = {"model": "m", "messages": b["messages"] + [{"role": "assistant", "content": "ok"}]}
+    assert p.select(req(kind="chat", body=follow), View(ws, {wa: 0, wb: 0})).id == wb
+
+
+def test_cache_aware_balance_guard_and_lru():
+    ws = workers(2)
+    p = policies.create("cache_aware", chunk_chars=4, balance_abs=4, balance_rel=1.5, max_chunks_per_worker=8)
+    owner = p.select(req("shared prefix text"), View(ws, {})).id
+    other = next(w.id for w in ws if w.id != owner)
+    assert p.select(req("shared prefix text"), View(ws, {owner: 20, other: 1})).id == other
+    assert p.indexed_chunks(owner) <= 8
+    p.select(req("x" * 400), View(ws, {other: 9}))  # evicts the owner's older chunks
+    assert p.indexed_chunks(owner) == 8
+    p.retain([other])
+    assert p.indexed_chunks(owner) == 0
+
+
+def test_consistent_hash_sticky_and_minimal_movement():
+    ws = workers(5)
+    p = policies.create("consistent_hash")
+    keys = [f"user-{i}" for i in range(500)]
+    before = {k: p.select(req(session=k), View(ws, {})).id for k in keys}
+    assert all(p.select(req(session=k), View(ws, {})).id == before[k] for k in keys[:50])
+    after = {k: p.select(req(session=k), View(ws[:4], {})).id for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "w4" for k in moved)
+    assert 0.1 < len(moved) / len(keys) < 0.35
+    assert p.select(req(session=None), View(ws, {"w0": 1, "w1": 1, "w2": 0, "w3": 1, "w4": 1})).id == "w2"
+
+
+def test_unknown_policy_lists_available():
+    with pytest.raises(ValueError, match="available: .*cache_aware"):
+        policies.create("nope")
+
+
+PLUGIN = '''
+from policies.base import PolicyBase
+
+class LastOne(PolicyBase):
+    """Always the last candidate: easy to observe."""
+    name = "last_one"
+
+    def __init__(self, **options):
+        self.options = options
+
+    def select(self, request, view):
+        return view.workers[-1]
+'''
+
+
+def install_plugin(root: Path) -> Path:
+    """A real installed distribution: a module plus its .dist-info with entry_points.txt."""
+    (root / "atomesh_last_one.py").write_text(PLUGIN)
+    info = root / "atomesh_last_one-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: atomesh-last-one\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[atomesh.policies]\nlast_one = atomesh_last_one:LastOne\n")
+    return root
+
+
+def test_entry_point_policy_in_process(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(install_plugin(tmp_path)))
+    assert "last_one" in policies.available()
+    p = policies.create("last_one", k=1)
+    assert p.select(req(), View(workers(3), {})).id == "w2"
+    sys.modules.pop("atomesh_last_one", None)
+
+
+def test_entry_point_policy_picked_by_name_in_mesh(tmp_path):
+    plugin_dir = install_plugin(tmp_path)
+    fleet = Proc([MESH_BIN, "mock-fleet", "--prefill", "3", "--decode", "1"], "ready")
+    try:
+        pre = [x.split()[1] for x in fleet.lines if x.startswith("prefill ")]
+        dec = [x.split()[1] for x in fleet.lines if x.startswith("decode ")]
+        args = [MESH_BIN, "serve", "--port", "0", "--prefill-policy", "last_one", "--decode", dec[0]]
+        for u in pre:
+            args += ["--prefill", u]
+        mesh = Proc(args, "mesh ", env={"PYTHONPATH": str(plugin_dir)})
+        try:
+            url = mesh.lines[-1].split()[1]
+            for i in range(6):
+                r = httpx.post(url + "/v1/completions", json={"model": "mock-model", "prompt": f"p{i}", "max_tokens": 2})
+                assert r.status_code == 200
+            counts = collections.Counter({u: httpx.get(u + "/health").json()["requests_total"] for u in pre})
+            assert counts[pre[-1]] == 6 and counts[pre[0]] == counts[pre[1]] == 0
+        finally:
+            assert mesh.stop() == 0
+    finally:
+        fleet.stop()
