@@ -193,6 +193,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(probes, return_exceptions=True)
         await st.background.drain(cfg.timeouts.release)
         await st.fleet.registry.close()
+        await upstream.h1.close()
         await session.close()
 
 

@@ -22,7 +22,6 @@ import logging
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -34,7 +33,8 @@ from mesh.metrics import Metrics
 from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
 from mesh.request import ClientRequest
 from mesh.snapshot import View, Worker
-from mesh.upstream import Upstream, payload, upstream_status_error
+from mesh.h1 import H1Error, H1Response
+from mesh.upstream import Upstream, upstream_status_error
 from policies import Policy
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class Proxy:
     # -- the streamed leg -------------------------------------------------------------------
 
     async def _open_with_retry(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
-                               headers: dict[str, str]) -> tuple[Worker, aiohttp.ClientResponse, bytes]:
+                               headers: dict[str, str]) -> tuple[Worker, H1Response, bytes]:
         tried: tuple[Worker, ...] = ()
         while True:
             try:
@@ -182,22 +182,22 @@ class Proxy:
                          e.message, w.id)
 
     async def _open(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
-                    headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
+                    headers: dict[str, str]) -> tuple[H1Response, bytes]:
         """Send the leg; return its response and first bytes (the whole body unless streaming).
         On return the worker is counted in flight; `_relay` uncounts it."""
         flight = self.fleet.in_flight
         flight[w.id] = flight.get(w.id, 0) + 1
-        resp: aiohttp.ClientResponse | None = None
+        resp: H1Response | None = None
         limit = self.cfg.timeouts.decode_first_byte
         try:
             async with asyncio.timeout(limit):
-                resp = await self.up.session.post(w.url + creq.path, data=payload(data), headers=headers,
-                                                  timeout=self.up.stream)
+                resp = await self.up.h1.post(w.host, w.port, creq.path, data, headers, tls=w.tls,
+                                             idle=self.cfg.timeouts.decode_idle)
                 if resp.status >= 300:
                     body = await resp.read()
                     self.up.failed(role, w, f"status_{resp.status // 100}xx", passive=resp.status >= 500)
                     raise upstream_status_error(role, w, resp.status, body)
-                first = await (resp.content.readany() if creq.stream else resp.read())
+                first = await (resp.readany() if creq.stream else resp.read())
             if not first:
                 self.up.failed(role, w, "empty")
                 raise UpstreamError(f"{role} worker {w.id} closed its answer without a byte")
@@ -209,17 +209,17 @@ class Proxy:
             if isinstance(e, TimeoutError):
                 self.up.failed(role, w, "timeout")
                 raise UpstreamTimeout(f"{role} worker {w.id} sent no byte within {limit:g}s") from None
-            if isinstance(e, aiohttp.ClientError):
-                self.up.failed(role, w, "connect" if isinstance(e, aiohttp.ClientConnectorError) else "transport")
+            if isinstance(e, OSError):
+                self.up.failed(role, w, "transport" if isinstance(e, H1Error) else "connect")
                 raise UpstreamError(f"{role} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
             raise
 
     async def _relay(self, request: web.Request, creq: ClientRequest, w: Worker,
-                     resp: aiohttp.ClientResponse, first: bytes, t0: float, t_leg: float) -> web.StreamResponse:
+                     resp: H1Response, first: bytes, t0: float, t_leg: float) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         role = "worker" if not self.cfg.pd else "decode"
         try:
-            ctype = resp.headers.get("Content-Type", "application/json")
+            ctype = resp.headers.get("content-type", "application/json")
             if not creq.stream:
                 self.metrics.leg(role, loop.time() - t_leg)
                 out = web.Response(body=first, status=resp.status,
@@ -236,11 +236,11 @@ class Proxy:
             self.fleet.in_flight[w.id] -= 1
             resp.close()
 
-    async def _pump(self, out: web.StreamResponse, resp: aiohttp.ClientResponse, first: bytes,
+    async def _pump(self, out: web.StreamResponse, resp: H1Response, first: bytes,
                     w: Worker, role: str) -> None:
         """Relay SSE bytes as they come. Only whole events go out, so an upstream cut mid-event
         can be followed by a clean `error` event the client's SSE parser understands."""
-        read = resp.content.readany
+        read = resp.readany
         pending = b""
         chunk = first
         while True:
@@ -254,7 +254,7 @@ class Proxy:
                 pending = buf[cut + 2:] if cut >= 0 else buf
             try:
                 chunk = await read()
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except OSError as e:  # H1Error, TimeoutError (idle), socket errors
                 kind = "timeout" if isinstance(e, TimeoutError) else "transport"
                 self.up.failed(role, w, f"midstream_{kind}")
                 err: MeshError = (UpstreamTimeout(f"{role} worker {w.id} stalled mid-stream")

@@ -6,6 +6,7 @@ an OpenAI error body with status 400. Fields the mesh does not know pass through
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,6 +16,9 @@ import orjson
 from mesh.errors import InvalidRequest, PayloadTooLarge
 
 Kind = Literal["completions", "chat"]
+# request ids: a random per-process prefix and a counter (unique across replicas, no syscall)
+_ID_PREFIX = os.urandom(6).hex()
+_ids = itertools.count(1)
 PATHS: dict[Kind, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -222,7 +226,7 @@ def parse(kind: Kind, raw: bytes, limits: Limits, *, request_id: str | None = No
         raise _bad("kv_transfer_params", "is set by the mesh, not by clients")
 
     req = ClientRequest(kind, model, stream, include_usage, max_tokens, body,
-                        request_id or os.urandom(12).hex(), session_key or user)
+                        request_id or f"{_ID_PREFIX}{next(_ids):08x}", session_key or user)
     if len(req.prompt_text()) > limits.max_prompt_chars:
         raise _bad("prompt" if kind == "completions" else "messages",
                    f"is longer than the limit of {limits.max_prompt_chars} characters")

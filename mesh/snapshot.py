@@ -25,17 +25,17 @@ class Worker:
     url: str
     model: str
     record: Record
+    host: str = field(init=False, compare=False)
+    port: int = field(init=False, compare=False)
+    tls: bool = field(init=False, compare=False)
 
-    @property
-    def host(self) -> str:
-        return self.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+    def __post_init__(self) -> None:
+        from mesh.h1 import split_url
 
-    @property
-    def port(self) -> int:
-        hostport = self.url.split("://", 1)[-1].split("/", 1)[0]
-        if ":" in hostport:
-            return int(hostport.rsplit(":", 1)[1])
-        return 443 if self.url.startswith("https") else 80
+        host, port, tls, _ = split_url(self.url)
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "port", port)
+        object.__setattr__(self, "tls", tls)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Calls to workers over the app's one pooled `ClientSession`.
+"""Calls to workers: the hot legs over the lean keep-alive client (`mesh/h1.py`), the rest
+(releases, held listings) over the app's one pooled aiohttp `ClientSession`.
 
 Every call counts itself in the fleet's in-flight dict, reports failures to the fleet's
 passive health check and to the metrics, and maps transport failures onto the mesh's
@@ -9,7 +10,6 @@ a worker's 4xx `UpstreamClientError` (passed on as it came), its 5xx `UpstreamEr
 from __future__ import annotations
 
 import asyncio
-import io
 from typing import Any
 
 import aiohttp
@@ -18,16 +18,11 @@ import orjson
 from mesh.config import Timeouts
 from mesh.errors import MeshError, UpstreamClientError, UpstreamError, UpstreamTimeout, error_body
 from mesh.fleet import Fleet
+from mesh.h1 import H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
 from mesh.snapshot import Worker
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-_BIG = 512 * 1024
-
-
-def payload(data: bytes) -> bytes | io.BytesIO:
-    """Large bodies go out as a stream so the event loop is not held by one write."""
-    return io.BytesIO(data) if len(data) > _BIG else data
 
 
 def upstream_status_error(leg: str, w: Worker, status: int, body: bytes) -> MeshError:
@@ -58,11 +53,9 @@ class Upstream:
         self.fleet = fleet
         self.metrics = metrics
         self.timeouts = timeouts
-        # connect bound by aiohttp; whole-call bounds by asyncio.timeout around the call;
-        # sock_read bounds the gap between two chunks of a stream
+        self.h1 = H1Pool(connect_timeout=timeouts.connect)  # the hot legs
+        # connect bound by aiohttp; whole-call bounds by asyncio.timeout around the call
         self.short = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
-        self.stream = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect,
-                                            sock_read=timeouts.decode_idle)
 
     def failed(self, leg: str, w: Worker, kind: str, passive: bool = True) -> None:
         self.metrics.upstream_error(leg, kind)
@@ -74,21 +67,22 @@ class Upstream:
         """POST a JSON body, return the decoded JSON answer of a 2xx, or raise."""
         flight = self.fleet.in_flight
         flight[w.id] = flight.get(w.id, 0) + 1
+        resp: H1Response | None = None
         try:
-            try:
-                async with asyncio.timeout(timeout):
-                    async with self.session.post(w.url + path, data=payload(orjson.dumps(body)), headers=headers,
-                                                 timeout=self.short) as r:
-                        status = r.status
-                        data = await r.read()
-            except TimeoutError:
-                self.failed(leg, w, "timeout")
-                raise UpstreamTimeout(f"{leg} worker {w.id} did not answer within {timeout:g}s") from None
-            except aiohttp.ClientError as e:
-                self.failed(leg, w, "connect" if isinstance(e, aiohttp.ClientConnectorError) else "transport")
-                raise UpstreamError(f"{leg} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
+            async with asyncio.timeout(timeout):
+                resp = await self.h1.post(w.host, w.port, path, orjson.dumps(body), headers, tls=w.tls)
+                status = resp.status
+                data = await resp.read()
+        except TimeoutError:
+            self.failed(leg, w, "timeout")
+            raise UpstreamTimeout(f"{leg} worker {w.id} did not answer within {timeout:g}s") from None
+        except OSError as e:
+            self.failed(leg, w, "transport" if isinstance(e, H1Error) else "connect")
+            raise UpstreamError(f"{leg} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
         finally:
             flight[w.id] -= 1
+            if resp is not None:
+                resp.close()
         if status >= 300:
             self.failed(leg, w, f"status_{status // 100}xx", passive=status >= 500)
             raise upstream_status_error(leg, w, status, data)

@@ -1,0 +1,378 @@
+"""A lean keep-alive HTTP/1.1 client for the two hot legs (prefill and decode).
+
+Why not the app's aiohttp `ClientSession` here: measured on this project's 2-core machine,
+one aiohttp client POST costs about 110 us of CPU against about 40 us for a plain asyncio
+exchange; with two legs per request that was a quarter of the mesh's whole per-request CPU
+(bench/overhead.py). Everything that is not per-request (health probes, releases, held
+listings) still goes through the pooled `ClientSession`.
+
+Scope, on purpose small: one request at a time per connection (no pipelining), bodies
+framed by Content-Length, chunked transfer encoding, or connection close; connections
+pooled per (host, port, tls) and reused only when the answer was read to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+from collections import deque
+from typing import Any
+
+MAX_HEAD = 64 * 1024
+HIGH_WATER = 1 << 20
+
+
+class H1Error(ConnectionError):
+    """The connection failed or the peer broke HTTP/1.1 framing."""
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, pool: "H1Pool", key: tuple[str, int, bool]) -> None:
+        self.pool, self.key = pool, key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.resp: H1Response | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.resp is not None:
+            self.resp._feed(data)
+        else:  # bytes nobody asked for: the peer is confused; never reuse this connection
+            self.abort()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        if self.resp is not None:
+            self.resp._eof()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.resp is not None:
+            self.resp._eof(exc)
+        self.pool._forget(self)
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class H1Response:
+    """Status and headers at once; the body through `read()` or `readany()`."""
+
+    __slots__ = ("status", "headers", "_conn", "_buf", "_head_done", "_mode", "_left", "_chunks",
+                 "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle")
+
+    def __init__(self, conn: _Conn, idle: float | None) -> None:
+        self._conn = conn
+        self._idle = idle
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._buf = bytearray()
+        self._head_done = False
+        self._mode = ""          # "length" | "chunked" | "close"
+        self._left = 0           # bytes left in the body (length) or in this chunk (chunked)
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: BaseException | None = None
+        loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self._head_waiter: asyncio.Future[None] = loop.create_future()
+        self._keep = True
+        self._paused = False
+
+    # -- parsing (called by the protocol) ---------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            if not self._head_done:
+                self._buf += data
+                end = self._buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buf) > MAX_HEAD:
+                        raise H1Error("response head too large")
+                    return
+                self._head(bytes(self._buf[:end]))
+                self._head_done = True
+                data = bytes(self._buf[end + 4:])
+                self._buf = bytearray()
+                if not self._head_waiter.done():
+                    self._head_waiter.set_result(None)
+            if data:
+                self._body(data)
+        except H1Error as e:
+            if self._done and self._error is None:
+                self._keep = False   # the answer is whole; only the connection is spoiled
+            else:
+                self._fail(e)
+            self._conn.abort()
+
+    def _head(self, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise H1Error(f"bad status line {lines[0][:80]!r}")
+        try:
+            self.status = int(parts[1])
+        except ValueError:
+            raise H1Error(f"bad status code {parts[1][:10]!r}") from None
+        h = self.headers
+        for line in lines[1:]:
+            k, sep, v = line.partition(":")
+            if not sep:
+                raise H1Error(f"bad header line {line[:80]!r}")
+            h[k.strip().lower()] = v.strip()
+        if parts[0] == "HTTP/1.0" or h.get("connection", "").lower() == "close":
+            self._keep = False
+        if "chunked" in h.get("transfer-encoding", "").lower():
+            self._mode, self._left = "chunked", -1
+        elif "content-length" in h:
+            try:
+                self._left = int(h["content-length"])
+            except ValueError:
+                raise H1Error("bad Content-Length") from None
+            self._mode = "length"
+            if self._left == 0 or self.status in (204, 304):
+                self._finish()
+        else:
+            self._mode, self._keep = "close", False
+
+    def _body(self, data: bytes) -> None:
+        if self._done:
+            raise H1Error("bytes after the end of the response")
+        if self._mode == "length":
+            if len(data) > self._left:
+                raise H1Error("more bytes than Content-Length")
+            self._left -= len(data)
+            self._push(data)
+            if self._left == 0:
+                self._finish()
+        elif self._mode == "close":
+            self._push(data)
+        else:
+            self._chunked(data)
+
+    def _chunked(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        out = []
+        while True:
+            if self._left > 0:                      # inside a chunk's data
+                take = min(self._left, len(buf) - pos)
+                if take <= 0:
+                    break
+                out.append(bytes(buf[pos:pos + take]))
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._left = -2                 # its CRLF comes next
+                continue
+            if self._left == -2:                    # CRLF after a chunk
+                if len(buf) - pos < 2:
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    raise H1Error("chunk not followed by CRLF")
+                pos += 2
+                self._left = -1
+                continue
+            end = buf.find(b"\r\n", pos)            # a size line (or trailers after the last)
+            if end < 0:
+                if len(buf) - pos > 4096:
+                    raise H1Error("chunk size line too long")
+                break
+            line = bytes(buf[pos:end])
+            if self._left == -3:                    # trailers: until an empty line
+                pos = end + 2
+                if not line:
+                    self._finish()
+                    break
+                continue
+            try:
+                size = int(line.split(b";", 1)[0], 16)
+            except ValueError:
+                raise H1Error(f"bad chunk size {line[:20]!r}") from None
+            pos = end + 2
+            self._left = size if size else -3
+        del buf[:pos]
+        for c in out:
+            self._push(c)
+        if self._done and buf:
+            raise H1Error("bytes after the last chunk")
+
+    def _push(self, data: bytes) -> None:
+        if not data:
+            return
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and self._conn.transport is not None:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        self._wake()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._wake()
+
+    def _eof(self, exc: BaseException | None = None) -> None:
+        if self._done:
+            return
+        if self._head_done and self._mode == "close" and exc is None:
+            self._finish()
+            return
+        self._fail(H1Error(f"connection closed before the response ended"
+                           + (f": {exc}" if exc else "")))
+
+    def _fail(self, e: BaseException) -> None:
+        self._error = e
+        self._done = True
+        self._keep = False
+        if not self._head_waiter.done():
+            self._head_waiter.set_exception(e)
+            self._head_waiter.exception()  # retrieved: the reader re-raises it from its own await
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- reading (called by the mesh) -------------------------------------------------------
+
+    async def _wait_head(self) -> None:
+        await self._head_waiter
+
+    async def readany(self) -> bytes:
+        """The next body bytes as they came; b"" at the end. `idle` bounds each wait."""
+        while not self._chunks:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                self._release()
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if self._idle is None:
+                    await self._waiter
+                else:
+                    async with asyncio.timeout(self._idle):
+                        await self._waiter
+            finally:
+                self._waiter = None
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
+        self._buffered -= len(data)
+        if self._paused and self._buffered < HIGH_WATER // 4 and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        return data
+
+    def _drain(self) -> list[bytes]:
+        out = list(self._chunks)
+        self._chunks.clear()
+        return out
+
+    async def read(self) -> bytes:
+        parts = []
+        while True:
+            b = await self.readany()
+            if not b:
+                return b"".join(parts)
+            parts.append(b)
+
+    def _release(self) -> None:
+        conn = self._conn
+        if conn.resp is self:
+            conn.resp = None
+            if self._keep and self._error is None and not conn.closed:
+                conn.pool._put(conn)
+            else:
+                conn.abort()
+
+    def close(self) -> None:
+        """Done with this response: the connection goes back to the pool only if it was read to the end."""
+        if self._done and not self._chunks:
+            self._release()
+        elif self._conn.resp is self:
+            self._conn.resp = None
+            self._conn.abort()
+
+
+class H1Pool:
+    def __init__(self, *, connect_timeout: float = 3.0, max_idle_per_host: int = 512) -> None:
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle_per_host
+        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._ssl: _ssl.SSLContext | None = None
+        self._all: set[_Conn] = set()
+
+    async def _get(self, host: str, port: int, tls: bool) -> _Conn:
+        key = (host, port, tls)
+        idle = self._idle.get(key)
+        while idle:
+            c = idle.pop()
+            if not c.closed and c.transport is not None and not c.transport.is_closing():
+                return c
+        loop = asyncio.get_running_loop()
+        if tls and self._ssl is None:
+            self._ssl = _ssl.create_default_context()
+        conn = _Conn(self, key)
+        async with asyncio.timeout(self.connect_timeout):
+            await loop.create_connection(lambda: conn, host, port, ssl=self._ssl if tls else None)
+        self._all.add(conn)
+        return conn
+
+    def _put(self, conn: _Conn) -> None:
+        lst = self._idle.setdefault(conn.key, [])
+        if len(lst) < self.max_idle:
+            lst.append(conn)
+        else:
+            conn.abort()
+
+    def _forget(self, conn: _Conn) -> None:
+        self._all.discard(conn)
+        lst = self._idle.get(conn.key)
+        if lst and conn in lst:
+            lst.remove(conn)
+
+    async def post(self, host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
+                   tls: bool = False, idle: float | None = None) -> H1Response:
+        """Send a POST; return once the status line and headers arrived."""
+        conn = await self._get(host, port, tls)
+        resp = H1Response(conn, idle)
+        conn.resp = resp
+        head = [f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(body)}\r\n"]
+        for k, v in headers.items():
+            head.append(f"{k}: {v}\r\n")
+        head.append("\r\n")
+        assert conn.transport is not None
+        conn.transport.write("".join(head).encode("latin-1") + body)
+        try:
+            await resp._wait_head()
+        except BaseException:
+            resp.close()
+            raise
+        return resp
+
+    async def close(self) -> None:
+        for c in list(self._all):
+            c.abort()
+        self._all.clear()
+        self._idle.clear()
+
+
+def split_url(url: str) -> tuple[str, int, bool, str]:
+    """'http://h:1/x' -> ('h', 1, False, '/x')."""
+    scheme, _, rest = url.partition("://")
+    hostport, _, path = rest.partition("/")
+    tls = scheme == "https"
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = hostport, ("443" if tls else "80")
+    return host.strip("[]"), int(port), tls, "/" + path if path else ""
+
+
+__all__: list[Any] = ["H1Pool", "H1Response", "H1Error", "split_url"]

@@ -1,0 +1,163 @@
+"""mesh/h1.py: the lean HTTP/1.1 client, against raw loopback servers that frame answers by hand."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from mesh.h1 import H1Error, H1Pool, split_url
+
+
+async def raw_server(script):
+    """A TCP server answering each request with the byte pieces `script(request_bytes)` yields."""
+    conns = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(n)
+                for piece in script(head + body):
+                    if piece is None:
+                        return
+                    if isinstance(piece, float):
+                        await asyncio.sleep(piece)
+                        continue
+                    writer.write(piece)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], conns
+
+
+
+@pytest.fixture
+async def pool():
+    p = H1Pool(connect_timeout=2)
+    yield p
+    await p.close()
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+async def test_content_length_and_keepalive_reuse(pool):
+    server, port, conns = await raw_server(lambda req: [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n"
+                                                        b"Content-Type: text/plain\r\n\r\nhel", b"lo"])
+    async with server:
+        for _ in range(3):
+            r = await pool.post("127.0.0.1", port, "/x", b"{}", {"Content-Type": "application/json"})
+            assert r.status == 200 and r.headers["content-type"] == "text/plain"
+            assert await r.read() == b"hello"
+        assert len(conns) == 1  # one connection, reused
+
+
+async def test_chunked_split_at_every_byte(pool):
+    body = chunked(b"data: 1\n\n", b"data: [DONE]\n\n")[:-5] + b"0;ext=1\r\nTrailer: x\r\n\r\n"
+    resp = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    server, port, conns = await raw_server(lambda req: [resp[i:i + 1] for i in range(len(resp))])
+    async with server:
+        for _ in range(2):
+            r = await pool.post("127.0.0.1", port, "/x", b"x", {})
+            assert await r.read() == b"data: 1\n\ndata: [DONE]\n\n"
+        assert len(conns) == 1
+
+
+async def test_readany_streams_as_it_comes(pool):
+    server, port, _ = await raw_server(lambda req: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                                    b"3\r\nabc\r\n", 0.1, b"2\r\nde\r\n0\r\n\r\n"])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {})
+        assert await r.readany() == b"abc"
+        assert await r.readany() == b"de"
+        assert await r.readany() == b""
+
+
+async def test_close_delimited_body(pool):
+    server, port, conns = await raw_server(lambda req: [b"HTTP/1.1 200 OK\r\n\r\nall of it", None])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {})
+        assert await r.read() == b"all of it"
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {})  # a fresh connection
+        assert await r.read() == b"all of it"
+        assert len(conns) == 2
+
+
+@pytest.mark.parametrize("pieces,match", [
+    ([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", None], "closed before the response ended"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", None], "closed before"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "bad chunk size"),
+    ([b"SPDY/9 200 OK\r\n\r\n"], "bad status line"),
+    ([b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"], "bad header line"),
+    ([None], "closed before"),
+])
+async def test_broken_framing_raises(pool, pieces, match):
+    server, port, _ = await raw_server(lambda req: pieces)
+    async with server:
+        with pytest.raises(H1Error, match=match):
+            r = await pool.post("127.0.0.1", port, "/x", b"x", {})
+            await r.read()
+
+
+async def test_idle_timeout_between_chunks(pool):
+    server, port, _ = await raw_server(lambda req: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                                    b"1\r\na\r\n", 5.0])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=0.2)
+        assert await r.readany() == b"a"
+        with pytest.raises(TimeoutError):
+            await r.readany()
+        r.close()
+
+
+async def test_connect_refused(pool):
+    server, port, _ = await raw_server(lambda req: [])
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(OSError):
+        await pool.post("127.0.0.1", port, "/x", b"x", {})
+
+
+async def test_large_body_with_flow_control_against_aiohttp(pool):
+    big = bytes(range(256)) * 40000  # ~10 MB, chunked by aiohttp
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        assert await request.read() == b"payload" * 1000
+        r = web.StreamResponse()
+        await r.prepare(request)
+        for i in range(0, len(big), 65536):
+            await r.write(big[i:i + 65536])
+        await r.write_eof()
+        return r
+
+    app = web.Application()
+    app.router.add_post("/big", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        r = await pool.post("127.0.0.1", port, "/big", b"payload" * 1000, {})
+        got = bytearray()
+        while chunk := await r.readany():
+            got += chunk
+            await asyncio.sleep(0)  # a slow reader: the transport pauses and resumes
+        assert bytes(got) == big
+    finally:
+        await runner.cleanup()
+
+
+def test_split_url():
+    assert split_url("http://h:81/a/b") == ("h", 81, False, "/a/b")
+    assert split_url("https://h") == ("h", 443, True, "")
+    assert split_url("http://[::1]:9") == ("::1", 9, False, "")
