@@ -9,6 +9,7 @@ Long-lived work (the pooled ClientSession, health probes, pending releases) live
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mesh import __version__
 from mesh.config import MeshConfig
-from mesh.errors import MeshError, PayloadTooLarge, error_body
+from mesh.errors import Forbidden, MeshError, PayloadTooLarge, Unauthorized, error_body
 from mesh.fleet import Fleet, Registry, StaticRegistry
 from mesh.metrics import Metrics
 from mesh.proxy import Background, Proxy
@@ -79,6 +80,23 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         log.exception("unhandled error on %s %s", request.method, request.path)
         return web.Response(body=error_body("internal error in the mesh", "server_error"), status=500,
                             content_type="application/json")
+
+
+ADMIN_ROUTES = frozenset({"/workers", "/kv/ledger"})
+
+
+@web.middleware
+async def admin_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Admin routes need the admin bearer token when one is configured (constant-time check)."""
+    token = request.app[STATE].cfg.admin_token
+    if token is not None and (request.path in ADMIN_ROUTES or request.method not in ("GET", "HEAD")
+                              and not request.path.startswith("/v1/")):
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            raise Unauthorized("this route needs the admin token: Authorization: Bearer <token>")
+        if not hmac.compare_digest(auth[7:].encode(), token.encode()):
+            raise Forbidden("wrong admin token")
+    return await handler(request)
 
 
 # -- OpenAI routes --------------------------------------------------------------------------
@@ -185,19 +203,54 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id)
     await st.fleet.registry.start(st.fleet.on_membership)
     await st.fleet.probe_all(session, timeout=min(2.0, cfg.health_interval * 2))
-    probes = asyncio.create_task(st.fleet.run_probes(session, cfg.health_interval), name="health-probes")
+    tasks = [asyncio.create_task(st.fleet.run_probes(session, cfg.health_interval), name="health-probes")]
+    replica = None
+    if cfg.etcd is not None:
+        replica = _replica_keeper(st)
+        tasks.append(asyncio.create_task(_enroll_replica(replica), name="replica-enrollment"))
     try:
         yield
     finally:
-        probes.cancel()
-        await asyncio.gather(probes, return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if replica is not None:
+            await replica.close(revoke=True)
         await st.background.drain(cfg.timeouts.release)
         await st.fleet.registry.close()
         await upstream.h1.close()
         await session.close()
 
 
+def _replica_keeper(st: MeshState) -> Any:
+    from mesh.enroll import LeaseKeeper
+    from mesh.protocol import MeshRecord
+
+    cfg = st.cfg
+    assert cfg.etcd is not None
+    keeper = LeaseKeeper(cfg.etcd, cfg.registry_ttl)
+    url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
+    rec = MeshRecord(url=url, version=__version__, started_at=st.started_at)
+    keeper.add("mesh", {cfg.etcd.keys.mesh(st.mesh_id): orjson.dumps(rec.encode())})
+    return keeper
+
+
+async def _enroll_replica(keeper: Any) -> None:
+    """Register this replica under `mesh/<id>` (retrying while etcd is away), then keep it alive."""
+    while True:
+        try:
+            await keeper.start(deadline_s=3600 * 24)
+            break
+        except ConnectionError:
+            await asyncio.sleep(1)
+    await keeper.run()
+
+
 def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str | None = None) -> web.Application:
+    if registry is None and cfg.etcd is not None:
+        from mesh.etcd_registry import EtcdRegistry
+
+        registry = EtcdRegistry(cfg.etcd)
     if registry is None:
         registry = StaticRegistry((*cfg.prefill, *cfg.decode, *cfg.workers))
     roles = ("prefill", "decode") if cfg.pd else ("worker",)
@@ -211,10 +264,12 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                 retain(w.id for w in table.all_workers if w.role == role)
 
     fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, on_rebuild=on_rebuild)
-    metrics_ = Metrics(fleet.in_flight_rows)
+    metrics_ = Metrics(fleet.in_flight_rows,
+                       lambda: (registry.stale, getattr(registry, "watch_restarts", 0)))  # type: ignore[union-attr]
     st = MeshState(cfg=cfg, mesh_id=mesh_id or f"mesh-{os.urandom(4).hex()}", fleet=fleet,
                    metrics=metrics_, policies=policies, background=Background(), started_at=time.time())
-    app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.limits.max_body_bytes)
+    app = web.Application(middlewares=[errors_middleware, admin_middleware],
+                          client_max_size=cfg.limits.max_body_bytes)
     app[STATE] = st
     app.cleanup_ctx.append(_runtime)
     app.router.add_post("/v1/completions", completions)

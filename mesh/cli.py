@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any, Awaitable, Callable
 
 from mesh.config import MeshConfig, Timeouts, load_toml, workers_from
 from mesh.errors import ConfigError
+from mesh.etcd import EtcdConfig
 from mesh.request import Limits
 
 log = logging.getLogger("mesh")
@@ -38,6 +40,27 @@ def _run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         runner.run(wrapper())
 
 
+# -- etcd options (serve, register, workers, mock-fleet) ------------------------------------
+
+def add_etcd_options(p: argparse.ArgumentParser, required: bool = False) -> None:
+    g = p.add_argument_group("etcd")
+    g.add_argument("--etcd", required=required, metavar="URL[,URL]", help="etcd endpoint(s)")
+    g.add_argument("--etcd-prefix", default="/atomesh/v1")
+    g.add_argument("--cluster", default="default", help="cluster name under the prefix")
+    g.add_argument("--etcd-user", default=os.environ.get("ATOMESH_ETCD_USER"))
+    g.add_argument("--etcd-password", default=os.environ.get("ATOMESH_ETCD_PASSWORD"),
+                   help="or ATOMESH_ETCD_PASSWORD (keeps it out of the process list)")
+    g.add_argument("--etcd-ca", help="CA bundle for TLS to etcd")
+    g.add_argument("--etcd-cert", help="client certificate for TLS to etcd")
+    g.add_argument("--etcd-key", help="client key for TLS to etcd")
+
+
+def etcd_config(a: argparse.Namespace) -> EtcdConfig:
+    return EtcdConfig.from_url(a.etcd, prefix=a.etcd_prefix, cluster=a.cluster, username=a.etcd_user,
+                               password=a.etcd_password, ca_file=a.etcd_ca, cert_file=a.etcd_cert,
+                               key_file=a.etcd_key)
+
+
 # -- serve ----------------------------------------------------------------------------------
 
 def build_config(a: argparse.Namespace) -> MeshConfig:
@@ -55,6 +78,8 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
     try:
         return MeshConfig(
             host=a.host, port=a.port, prefill=ws["prefill"], decode=ws["decode"], workers=ws["worker"],
+            etcd=etcd_config(a) if a.etcd else None, registry_ttl=a.ttl,
+            advertise_url=a.advertise_url or "", admin_token=a.admin_token or os.environ.get("ATOMESH_ADMIN_TOKEN"),
             prefill_policy=pick(a.prefill_policy, "prefill_policy", "cache_aware"),
             decode_policy=pick(a.decode_policy, "decode_policy", "least_loaded"),
             worker_policy=pick(a.worker_policy, "worker_policy", "least_loaded"),
@@ -70,8 +95,8 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
 async def _serve(cfg: MeshConfig, stop: asyncio.Event, announce: str | None = None) -> None:
     from mesh.app import bound_port, create_app, start_site
 
-    if not (cfg.prefill or cfg.decode or cfg.workers):
-        raise ConfigError("no workers: give --prefill/--decode (PD) or --worker (regular), or --config")
+    if not (cfg.prefill or cfg.decode or cfg.workers or cfg.etcd):
+        raise ConfigError("no workers: give --prefill/--decode (PD), --worker (regular), --config or --etcd")
     runner = await start_site(create_app(cfg), cfg.host, cfg.port)
     port = bound_port(runner)
     log.info("mesh listening on http://%s:%d (%s mode)", cfg.host, port, "PD" if cfg.pd else "regular")
@@ -109,6 +134,7 @@ def cmd_mock_fleet(a: argparse.Namespace) -> None:
     async def main(stop: asyncio.Event) -> None:
         fleet = MockFleet(spec)
         await fleet.start()
+        enrolled = await fleet.enroll(etcd_config(a), ttl=a.ttl) if a.etcd else []
         try:
             for w in fleet.prefills:
                 print(f"prefill {w.url}", flush=True)
@@ -117,9 +143,64 @@ def cmd_mock_fleet(a: argparse.Namespace) -> None:
             print("ready", flush=True)
             await stop.wait()
         finally:
+            for e in enrolled:
+                await e.close()
             await fleet.close()
 
     _run(main)
+
+
+# -- register -------------------------------------------------------------------------------
+
+def cmd_register(a: argparse.Namespace) -> None:
+    from mesh.config import make_worker
+    from workers.register import EnrollConfig, Enrollment, parse_stage
+
+    stages = tuple(parse_stage(s) for s in a.stage or [])
+    ecfg = EnrollConfig(ttl=a.ttl, health_path=a.health_path, health_interval=a.health_interval,
+                        drain_deadline=a.drain_deadline)
+    record = None
+    if a.role in ("prefill", "decode"):
+        if not a.url or not a.model:
+            raise ConfigError(f"--role {a.role} needs --url and --model")
+        spec = {"url": a.url, "model": a.model, "id": a.id or f"{a.role}-{a.url.split('://')[-1].replace(':', '-')}",
+                "tp_size": a.tp_size, "block_size": a.block_size, "num_blocks": a.num_blocks,
+                "kv_backend": a.kv_backend, "dialect": a.dialect}
+        if a.role == "prefill":
+            spec.update(pp_size=a.pp_size, stages=[s.encode() for s in stages])
+            if not stages and a.pp_size == 1:  # a one-stage pipeline without --stage: stage 0 here
+                from mesh.protocol import StageRecord
+                stages = (StageRecord(pp_rank=0, host=a.url.split("://")[-1].rsplit(":", 1)[0], kv_port=0,
+                                      layers=(0, 1)),)
+        record = make_worker(a.role, spec, 0).record
+        if a.role == "prefill" and len({s.pp_rank for s in record.stages}) not in (0, a.pp_size):
+            raise ConfigError(f"give all {a.pp_size} --stage entries of the pipeline, or none")
+        if a.role == "decode":
+            stages = ()
+    elif not (a.pipeline_id and stages):
+        raise ConfigError("--role stage needs --pipeline-id and --stage")
+    enr = Enrollment(etcd=etcd_config(a), record=record, stages=stages, pipeline_id=a.pipeline_id or "",
+                     cfg=ecfg, pid=a.pid or os.getpid())
+
+    async def main(stop: asyncio.Event) -> None:
+        await enr.start()
+        what = record.id if record is not None else f"{a.pipeline_id} stages {[s.pp_rank for s in stages]}"
+        print(f"registered {a.role} {what}", flush=True)
+        await stop.wait()
+        print("draining", flush=True)
+        idle = await enr.drain()
+        print("deregistered" + ("" if idle else " (drain deadline passed with work in flight)"), flush=True)
+
+    _run(main)
+
+
+# -- workers ----------------------------------------------------------------------------------
+
+def cmd_workers(a: argparse.Namespace) -> None:
+    from mesh.workers_table import from_etcd, from_mesh, render
+
+    rows = asyncio.run(from_etcd(etcd_config(a))) if a.etcd else from_mesh(a.mesh, a.admin_token)
+    print(render(rows))
 
 
 # -- demo (what `make run` starts) ----------------------------------------------------------
@@ -175,6 +256,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-policy")
     s.add_argument("--decode-retries", type=int)
     s.add_argument("--health-interval", type=float)
+    s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
+    s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
+    s.add_argument("--admin-token", help="require it as a bearer token on admin routes "
+                   "(or ATOMESH_ADMIN_TOKEN)")
+    add_etcd_options(s)
     s.set_defaults(func=cmd_serve)
 
     f = sub.add_parser("mock-fleet", help="run mock prefill pipelines and decode engines")
@@ -191,7 +277,36 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--decode-ms-per-token", type=float, default=0.0)
     f.add_argument("--jitter", type=float, default=0.0)
     f.add_argument("--seed", type=int)
+    f.add_argument("--ttl", type=int, default=10, help="lease TTL when registering in etcd")
+    add_etcd_options(f)
     f.set_defaults(func=cmd_mock_fleet)
+
+    r = sub.add_parser("register", help="enroll a worker in etcd and keep it there until SIGTERM (then drain)")
+    add_etcd_options(r, required=True)
+    r.add_argument("--role", required=True, choices=["prefill", "decode", "stage"])
+    r.add_argument("--url", help="the worker's HTTP URL (prefill: stage 0)")
+    r.add_argument("--model")
+    r.add_argument("--id", help="pipeline / engine id (default: from the URL)")
+    r.add_argument("--pp-size", type=int, default=1)
+    r.add_argument("--tp-size", type=int, default=1)
+    r.add_argument("--stage", action="append", metavar="PP_RANK:HOST:KV_PORT:START-END")
+    r.add_argument("--pipeline-id", help="--role stage: the pipeline whose stage(s) this process keeps alive")
+    r.add_argument("--pid", type=int, help="pid written in stage liveness keys (default: this process)")
+    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--num-blocks", type=int, default=0)
+    r.add_argument("--kv-backend", default="zmq")
+    r.add_argument("--dialect", default="atom")
+    r.add_argument("--ttl", type=int, default=10)
+    r.add_argument("--health-path", help="probe URL+PATH; withdraw the worker while it fails")
+    r.add_argument("--health-interval", type=float, default=2.0)
+    r.add_argument("--drain-deadline", type=float, default=60.0)
+    r.set_defaults(func=cmd_register)
+
+    w = sub.add_parser("workers", help="table of the fleet, from etcd or from a mesh")
+    add_etcd_options(w)
+    w.add_argument("--mesh", metavar="URL", help="ask a running mesh instead of etcd")
+    w.add_argument("--admin-token", default=os.environ.get("ATOMESH_ADMIN_TOKEN"))
+    w.set_defaults(func=cmd_workers)
 
     d = sub.add_parser("demo", help="a mesh over a local fleet, with a curl line to try (make run)")
     d.add_argument("--host", default="127.0.0.1")
@@ -202,7 +317,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
+    if a.cmd == "workers" and bool(a.etcd) == bool(a.mesh):
+        parser().error("mesh workers needs exactly one of --etcd URL or --mesh URL")
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         a.func(a)
     except (ConfigError, ValueError) as e:

@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mesh.errors import ConfigError, ProtocolError
+from mesh.etcd import EtcdConfig
 from mesh.protocol import DecodeRecord, PrefillRecord
 from mesh.request import Limits
 from mesh.snapshot import Worker
@@ -71,6 +72,10 @@ class MeshConfig:
     unhealthy_after: int = 2
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
+    etcd: EtcdConfig | None = None             # set: workers come from etcd, not from flags
+    registry_ttl: int = 10                     # lease TTL of this replica's `mesh/<id>` key
+    advertise_url: str = ""                    # this replica's URL as other parties should see it
+    admin_token: str | None = None             # set: admin routes need `Authorization: Bearer <it>`
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -83,6 +88,10 @@ class MeshConfig:
             raise ConfigError("unhealthy_after must be >= 1")
         if self.workers and (self.prefill or self.decode):
             raise ConfigError("workers (regular mode) and prefill/decode (PD mode) are exclusive")
+        if self.etcd is not None and (self.prefill or self.decode or self.workers):
+            raise ConfigError("with etcd the workers come from the registry: drop the worker flags")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ConfigError("admin_token must be at least 16 characters")
         ids = [w.id for w in (*self.prefill, *self.decode, *self.workers)]
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:

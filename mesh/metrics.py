@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -28,8 +28,21 @@ class _InFlight(Collector):
         yield g
 
 
+class _Registry(Collector):
+    def __init__(self, read: Callable[[], tuple[bool, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        stale, restarts = self._read()
+        yield GaugeMetricFamily("atomesh_registry_stale", "1 while the registry cannot be followed "
+                                "(etcd unreachable): routing uses the last snapshot", value=int(stale))
+        yield CounterMetricFamily("atomesh_registry_watch_restarts", "Times the registry watch was "
+                                  "re-established", value=restarts)
+
+
 class Metrics:
-    def __init__(self, in_flight: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+    def __init__(self, in_flight: Callable[[], Iterable[tuple[str, str, int]]],
+                 registry: Callable[[], tuple[bool, int]] = lambda: (False, 0)) -> None:
         r = self.registry = CollectorRegistry()
         self._requests = Counter("atomesh_requests", "Client requests by route and status",
                                  ["route", "status"], registry=r)
@@ -48,6 +61,7 @@ class Metrics:
                                  ["reason", "outcome"], registry=r)
         self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r)
         r.register(_InFlight(in_flight))
+        r.register(_Registry(registry))
         self._cache: dict[tuple[str, ...], object] = {}
 
     def _child(self, metric: object, *labels: str) -> object:

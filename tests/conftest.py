@@ -135,3 +135,14 @@ def proc_pd() -> Iterator[dict[str, Any]]:
     yield {"url": url, "prefill": pre, "decode": dec, "mesh": mesh, "fleet": fleet}
     assert mesh.stop() == 0
     assert fleet.stop() == 0
+
+
+@pytest.fixture
+def etcd(tmp_path) -> Iterator[Any]:
+    """A real etcd server (never skipped: `make test` installs it)."""
+    from tests.etcd_server import EtcdServer
+
+    server = EtcdServer(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.stop()

@@ -62,6 +62,7 @@ class MockFaults:
     slow_stage_ms: float = 0.0     # ... by this much
     drop_write_done: float = 0.0
     drop_release: float = 0.0
+    unhealthy: bool = False        # GET /health answers 503
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "MockFaults":
@@ -133,6 +134,8 @@ class _Worker:
         return _json({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "mock"}]})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.faults.unhealthy:
+            return _error(503, "injected: unhealthy", None)
         return _json({"status": "ok", "id": self.id, "role": self.role, "requests_total": self.requests})
 
     async def _load(self, request: web.Request) -> web.Response:
@@ -511,3 +514,16 @@ class MockFleet:
         dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model, "tp_size": w.tp_size}, i)
                     for i, w in enumerate(self.decodes))
         return pre, dec
+
+    async def enroll(self, etcd: Any, ttl: int = 10) -> list[Any]:
+        """Register every worker in etcd (each stage under its own lease); returns the enrollments."""
+        from workers.register import EnrollConfig, Enrollment
+
+        pre, dec = self.mesh_workers()
+        out = []
+        for w in (*pre, *dec):
+            stages = w.record.stages if w.role == "prefill" else ()
+            e = Enrollment(etcd=etcd, record=w.record, stages=stages, cfg=EnrollConfig(ttl=ttl))
+            await e.start()
+            out.append(e)
+        return out

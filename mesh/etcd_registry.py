@@ -1,0 +1,186 @@
+"""The etcd registry: the mesh follows `<prefix>/<cluster>/` live.
+
+One resilient loop: list the prefix (its revision is where the watch starts), watch from the
+last seen revision + 1, and on any error (etcd restart, leader change, a hung server caught
+by the heartbeat) reconnect and resume from there; after `RevisionCompactedError` re-list.
+While etcd is unreachable the mesh serves from its last snapshot and reports itself stale
+(`/ready`, `atomesh_registry_stale`).
+
+A prefill pipeline is routable only while its record and the liveness keys of all its
+`pp_size` stages are present: each stage's key lives under that stage's own lease, so one
+dead stage takes its whole pipeline out of routing within one TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Callable
+
+import aetcd
+import orjson
+
+from mesh.errors import ProtocolError
+from mesh.etcd import EtcdConfig, Keys, open_client
+from mesh.protocol import DecodeRecord, MeshRecord, PrefillRecord, StageLiveness
+from mesh.snapshot import Worker
+
+log = logging.getLogger(__name__)
+
+
+def build_workers(keys: Keys, kv: dict[bytes, bytes]) -> tuple[tuple[Worker, ...], dict[str, MeshRecord],
+                                                                 dict[str, dict[int, StageLiveness]]]:
+    """Routable workers, mesh replicas and live stages from the raw key/values."""
+    pipelines: dict[str, PrefillRecord] = {}
+    decodes: dict[str, DecodeRecord] = {}
+    meshes: dict[str, MeshRecord] = {}
+    stages: dict[str, dict[int, StageLiveness]] = {}
+    for key, value in kv.items():
+        what = keys.parse(key)
+        if what is None:
+            continue
+        kind, ident, rank = what
+        try:
+            data = orjson.loads(value)
+            if kind == "prefill":
+                pipelines[ident] = PrefillRecord.decode(data, key.decode())
+            elif kind == "decode":
+                decodes[ident] = DecodeRecord.decode(data, key.decode())
+            elif kind == "mesh":
+                meshes[ident] = MeshRecord.decode(data, key.decode())
+            else:
+                stages.setdefault(ident, {})[rank] = StageLiveness.decode(data, key.decode())  # type: ignore[index]
+        except (orjson.JSONDecodeError, ProtocolError) as e:
+            log.warning("ignoring bad registry value at %s: %s", key.decode(), e)
+    out: list[Worker] = []
+    for pid, rec in sorted(pipelines.items()):
+        live = stages.get(pid, {})
+        if all(r in live for r in range(rec.pp_size)):
+            out.append(Worker(id=pid, role="prefill", url=rec.url, model=rec.model, record=rec))
+    for did, drec in sorted(decodes.items()):
+        out.append(Worker(id=did, role="decode", url=drec.url, model=drec.model, record=drec))
+    return tuple(out), meshes, stages
+
+
+class EtcdRegistry:
+    def __init__(self, cfg: EtcdConfig, *, heartbeat_s: float = 2.0,
+                 on_stale: Callable[[bool], None] | None = None) -> None:
+        self.cfg = cfg
+        self.keys = cfg.keys
+        self.heartbeat_s = heartbeat_s
+        self._on_stale = on_stale
+        self._kv: dict[bytes, bytes] = {}
+        self._rev: int | None = None     # last revision applied; None: list again
+        self._workers: tuple[Worker, ...] = ()
+        self.meshes: dict[str, MeshRecord] = {}
+        self.stages: dict[str, dict[int, StageLiveness]] = {}
+        self._stale = True
+        self.stale_since: float | None = time.monotonic()
+        self.watch_restarts = 0
+        self.relists = 0
+        self._on_change: Callable[[], None] = lambda: None
+        self._task: asyncio.Task[None] | None = None
+        self._endpoint = 0
+        self.synced = asyncio.Event()
+
+    # -- Registry protocol ----------------------------------------------------------------
+
+    def workers(self) -> tuple[Worker, ...]:
+        return self._workers
+
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    async def start(self, on_change: Callable[[], None]) -> None:
+        self._on_change = on_change
+        self._task = asyncio.create_task(self._loop(), name="etcd-registry")
+        try:  # serve at once if etcd answers soon; otherwise start stale and catch up later
+            await asyncio.wait_for(asyncio.shield(self.synced.wait()), self.cfg.timeout)
+        except TimeoutError:
+            log.warning("etcd at %s not reachable yet; starting with an empty registry", self.cfg.endpoints)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _set_stale(self, stale: bool) -> None:
+        if stale == self._stale:
+            return
+        self._stale = stale
+        self.stale_since = time.monotonic() if stale else None
+        log.log(logging.WARNING if stale else logging.INFO, "registry is %s", "stale" if stale else "live again")
+        if self._on_stale is not None:
+            self._on_stale(stale)
+
+    def _publish(self) -> None:
+        self._workers, self.meshes, self.stages = build_workers(self.keys, self._kv)
+        self._on_change()
+
+    async def _loop(self) -> None:
+        backoff = 0.1
+        while True:
+            client = open_client(self.cfg, self._endpoint)
+            try:
+                if self._rev is None:
+                    await self._relist(client)
+                watch = await client.watch_prefix(self.keys.root.encode(), start_revision=self._rev + 1)  # type: ignore[operator]
+                self._set_stale(False)
+                self.synced.set()
+                backoff = 0.1
+                consume = asyncio.ensure_future(self._consume(watch))
+                beat = asyncio.ensure_future(self._heartbeat(client))
+                try:
+                    done, _ = await asyncio.wait({consume, beat}, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:
+                        t.result()
+                finally:
+                    for t in (consume, beat):
+                        t.cancel()
+                    await asyncio.gather(consume, beat, return_exceptions=True)
+            except aetcd.RevisionCompactedError:
+                log.warning("watch revision %s was compacted; listing again", self._rev)
+                self._rev = None
+            except (aetcd.ClientError, OSError, TimeoutError) as e:
+                log.warning("registry watch failed (%s: %s); resuming from revision %s",
+                            type(e).__name__, e, self._rev)
+                self._set_stale(True)
+                self._endpoint += 1
+            finally:
+                try:
+                    await client.close()
+                except Exception:  # noqa: BLE001 - a broken channel may fail to close
+                    pass
+            self.watch_restarts += 1
+            await asyncio.sleep(backoff * (1 + random.random()))
+            backoff = min(backoff * 2, 2.0)
+
+    async def _relist(self, client: aetcd.Client) -> None:
+        res = await client.get_prefix(self.keys.root.encode())
+        self._kv = {kv.key: kv.value for kv in res.kvs}
+        self._rev = res.header.revision
+        self.relists += 1
+        self._publish()
+
+    async def _consume(self, watch: aetcd.Watch) -> None:
+        async for ev in watch:
+            kv = ev.kv
+            if ev.kind == aetcd.EventKind.PUT:
+                self._kv[kv.key] = kv.value
+            else:
+                self._kv.pop(kv.key, None)
+            self._rev = max(self._rev or 0, kv.mod_revision)
+            self._publish()
+        raise aetcd.ClientError("watch ended")
+
+    async def _heartbeat(self, client: aetcd.Client) -> None:
+        """A hung etcd never breaks the watch stream: ask it something small now and then."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            async with asyncio.timeout(max(1.0, self.heartbeat_s)):
+                await client.get(self.keys.root.encode() + b"~heartbeat")
