@@ -158,7 +158,7 @@ class EtcdRegistry:
                     pass
             self.watch_restarts += 1
             await asyncio.sleep(backoff * (1 + random.random()))
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, 0.5)
 
     async def _relist(self, client: aetcd.Client) -> None:
         res = await client.get_prefix(self.keys.root.encode())
