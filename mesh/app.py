@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -25,6 +26,7 @@ from mesh import __version__
 from mesh.config import MeshConfig
 from mesh.errors import Forbidden, MeshError, PayloadTooLarge, Unauthorized, error_body
 from mesh.fleet import Fleet, Registry, StaticRegistry
+from mesh.ledger import Ledger
 from mesh.metrics import Metrics
 from mesh.proxy import Background, Proxy
 from mesh.request import check_request_id, parse
@@ -44,6 +46,7 @@ class MeshState:
     policies: dict[str, Policy]
     background: Background
     started_at: float
+    ledger: Ledger
     proxy: Proxy | None = None
 
 
@@ -191,6 +194,10 @@ async def workers(request: web.Request) -> web.Response:
                           "workers": rows})
 
 
+async def kv_ledger(request: web.Request) -> web.Response:
+    return json_response(request.app[STATE].ledger.snapshot())
+
+
 # -- lifecycle ------------------------------------------------------------------------------
 
 async def _runtime(app: web.Application) -> AsyncIterator[None]:
@@ -200,10 +207,14 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
                                     auto_decompress=False)
     upstream = Upstream(session, st.fleet, st.metrics, cfg.timeouts)
-    st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id)
+    st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id, st.ledger)
+    st.ledger.upstream = upstream
     await st.fleet.registry.start(st.fleet.on_membership)
     await st.fleet.probe_all(session, timeout=min(2.0, cfg.health_interval * 2))
     tasks = [asyncio.create_task(st.fleet.run_probes(session, cfg.health_interval), name="health-probes")]
+    if cfg.pd:
+        await st.ledger.reconcile(full=True)  # after a restart: adopt what pipelines hold for this mesh id
+        tasks.append(asyncio.create_task(st.ledger.run(), name="kv-ledger"))
     replica = None
     if cfg.etcd is not None:
         replica = _replica_keeper(st)
@@ -264,10 +275,16 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                 retain(w.id for w in table.all_workers if w.role == role)
 
     fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, on_rebuild=on_rebuild)
+    ledger_box: list[Ledger] = []
     metrics_ = Metrics(fleet.in_flight_rows,
-                       lambda: (registry.stale, getattr(registry, "watch_restarts", 0)))  # type: ignore[union-attr]
-    st = MeshState(cfg=cfg, mesh_id=mesh_id or f"mesh-{os.urandom(4).hex()}", fleet=fleet,
-                   metrics=metrics_, policies=policies, background=Background(), started_at=time.time())
+                       lambda: (registry.stale, getattr(registry, "watch_restarts", 0)),  # type: ignore[union-attr]
+                       lambda: ledger_box[0].gauge_rows())
+    mesh_id = mesh_id or cfg.mesh_id or (f"mesh-{socket.gethostname()}-{cfg.port}" if cfg.port
+                                         else f"mesh-{os.urandom(4).hex()}")
+    ledger = Ledger(mesh_id, fleet, metrics_, grace_s=cfg.ledger_grace, interval_s=cfg.ledger_interval)
+    ledger_box.append(ledger)
+    st = MeshState(cfg=cfg, mesh_id=mesh_id, fleet=fleet, metrics=metrics_, policies=policies,
+                   background=Background(), started_at=time.time(), ledger=ledger)
     app = web.Application(middlewares=[errors_middleware, admin_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[STATE] = st
@@ -279,6 +296,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/workers", workers)
+    app.router.add_get("/kv/ledger", kv_ledger)
     return app
 
 

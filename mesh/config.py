@@ -76,6 +76,9 @@ class MeshConfig:
     registry_ttl: int = 10                     # lease TTL of this replica's `mesh/<id>` key
     advertise_url: str = ""                    # this replica's URL as other parties should see it
     admin_token: str | None = None             # set: admin routes need `Authorization: Bearer <it>`
+    mesh_id: str = ""                          # stable across restarts (adoption of held KV); default host+port
+    ledger_grace: float = 5.0                  # a transfer still held this long after decode is reclaimed
+    ledger_interval: float = 0.5               # reconciliation with the pipelines' /kv/held
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -90,6 +93,8 @@ class MeshConfig:
             raise ConfigError("workers (regular mode) and prefill/decode (PD mode) are exclusive")
         if self.etcd is not None and (self.prefill or self.decode or self.workers):
             raise ConfigError("with etcd the workers come from the registry: drop the worker flags")
+        if self.ledger_grace <= 0 or self.ledger_interval <= 0:
+            raise ConfigError("ledger_grace and ledger_interval must be > 0")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError("admin_token must be at least 16 characters")
         ids = [w.id for w in (*self.prefill, *self.decode, *self.workers)]

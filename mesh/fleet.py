@@ -62,6 +62,7 @@ class Fleet:
         self.in_flight: dict[str, int] = {}
         self.loads: dict[str, LoadReport] = {}
         self.models: dict[str, str] = {}          # learnt from /v1/models when not configured
+        self.kv_free: dict[str, int] = {}         # free KV blocks per pipeline: probed, then tracked
         self._fails: dict[str, int] = {}
         self._healthy: set[str] = set()
         self._known: tuple[Worker, ...] = ()
@@ -90,7 +91,7 @@ class Fleet:
         ws = self.workers()
         ids = {w.id for w in ws}
         self._healthy &= ids
-        for d in (self._fails, self.loads, self.models):
+        for d in (self._fails, self.loads, self.models, self.kv_free):
             for k in [k for k in d if k not in ids]:
                 del d[k]
         self.table = RoutingTable.build(ws, frozenset(self._healthy))
@@ -115,6 +116,16 @@ class Fleet:
             log.warning("worker %s is unhealthy after %d failures", worker_id, n)
             self.rebuild()
 
+    def kv_taken(self, worker_id: str, blocks: int) -> None:
+        if worker_id in self.kv_free:
+            self.kv_free[worker_id] -= blocks
+
+    def kv_returned(self, worker_id: str, blocks: int) -> None:
+        if worker_id in self.kv_free:
+            load = self.loads.get(worker_id)
+            cap = load.num_blocks if load and load.num_blocks else self.kv_free[worker_id] + blocks
+            self.kv_free[worker_id] = min(cap, self.kv_free[worker_id] + blocks)
+
     def healthy_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for w in self._known:
@@ -138,7 +149,9 @@ class Fleet:
             async with session.get(f"{w.url}/load", timeout=to) as r:
                 if r.status != 200:
                     raise ProtocolError(f"/load answered {r.status}")
-                self.loads[w.id] = LoadReport.decode(orjson.loads(await r.read()), "load")
+                load = self.loads[w.id] = LoadReport.decode(orjson.loads(await r.read()), "load")
+                if w.role == "prefill" and load.num_blocks:
+                    self.kv_free[w.id] = load.free_blocks
             if not w.model:
                 async with session.get(f"{w.url}/v1/models", timeout=to) as r:
                     data = orjson.loads(await r.read())

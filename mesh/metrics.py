@@ -40,9 +40,27 @@ class _Registry(Collector):
                                   "re-established", value=restarts)
 
 
+class _Ledger(Collector):
+    def __init__(self, read: Callable[[], Iterable[tuple[str, int, int, float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        t = GaugeMetricFamily("atomesh_kv_held_transfers", "Transfers this mesh has open on each pipeline",
+                              labels=["pipeline"])
+        b = GaugeMetricFamily("atomesh_kv_held_blocks", "KV blocks of those transfers", labels=["pipeline"])
+        o = GaugeMetricFamily("atomesh_kv_oldest_held_seconds", "Age of the oldest open transfer",
+                              labels=["pipeline"])
+        for pid, n, blocks, age in self._read():
+            t.add_metric([pid], n)
+            b.add_metric([pid], blocks)
+            o.add_metric([pid], age)
+        yield from (t, b, o)
+
+
 class Metrics:
     def __init__(self, in_flight: Callable[[], Iterable[tuple[str, str, int]]],
-                 registry: Callable[[], tuple[bool, int]] = lambda: (False, 0)) -> None:
+                 registry: Callable[[], tuple[bool, int]] = lambda: (False, 0),
+                 ledger: Callable[[], Iterable[tuple[str, int, int, float]]] = lambda: ()) -> None:
         r = self.registry = CollectorRegistry()
         self._requests = Counter("atomesh_requests", "Client requests by route and status",
                                  ["route", "status"], registry=r)
@@ -62,6 +80,13 @@ class Metrics:
         self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r)
         r.register(_InFlight(in_flight))
         r.register(_Registry(registry))
+        r.register(_Ledger(ledger))
+        self._terminal = Counter("atomesh_kv_terminal", "Transfers ended, by terminal state and reason",
+                                 ["state", "reason"], registry=r)
+        self._release_latency = Histogram("atomesh_kv_release_seconds", "Prefill done -> blocks freed",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self._dup_releases = Counter("atomesh_kv_duplicate_releases", "Releases the holder had already done",
+                                     registry=r)
         self._cache: dict[tuple[str, ...], object] = {}
 
     def _child(self, metric: object, *labels: str) -> object:
@@ -89,6 +114,14 @@ class Metrics:
 
     def release_sent(self, reason: str, outcome: str) -> None:
         self._child(self._releases, reason, outcome).inc()  # type: ignore[attr-defined]
+
+    def kv_terminal(self, state: str, reason: str, held_s: float | None) -> None:
+        self._child(self._terminal, state, reason).inc()  # type: ignore[attr-defined]
+        if held_s is not None:
+            self._release_latency.observe(held_s)
+
+    def duplicate_release(self) -> None:
+        self._dup_releases.inc()
 
     def set_healthy(self, counts: Mapping[str, int]) -> None:
         for role in ("prefill", "decode", "worker"):

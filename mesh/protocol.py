@@ -220,9 +220,21 @@ class HeldTransfer:
 
 
 @message
+class FreedTransfer:
+    """A transfer the holder freed recently, and by which path (consumer / mesh-reclaim / ttl)."""
+    transfer_id: str
+    path: str
+    held_s: float
+    seq: int
+    request_id: str = ""
+
+
+@message
 class HeldList:
-    """`GET /kv/held` on a prefill pipeline."""
+    """`GET /kv/held?since=SEQ` on a prefill pipeline: what it holds, and what it freed after SEQ."""
     transfers: tuple[HeldTransfer, ...]
+    freed: tuple[FreedTransfer, ...] = ()
+    seq: int = 0    # the newest freed record's seq: pass it as `since` next time
 
 
 @message

@@ -29,6 +29,7 @@ from mesh.config import MeshConfig
 from mesh.errors import (MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamClientError,
                          UpstreamError, UpstreamTimeout, error_body)
 from mesh.fleet import Fleet
+from mesh.ledger import Ledger
 from mesh.metrics import Metrics
 from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
 from mesh.request import ClientRequest
@@ -80,7 +81,7 @@ def error_event(err: MeshError) -> bytes:
 
 class Proxy:
     def __init__(self, cfg: MeshConfig, fleet: Fleet, upstream: Upstream, metrics: Metrics,
-                 policies: dict[str, Policy], background: Background, mesh_id: str) -> None:
+                 policies: dict[str, Policy], background: Background, mesh_id: str, ledger: Ledger) -> None:
         self.cfg = cfg
         self.fleet = fleet
         self.up = upstream
@@ -88,7 +89,9 @@ class Proxy:
         self.policies = policies
         self.bg = background
         self.mesh_id = mesh_id
+        self.ledger = ledger
         self.load = MappingProxyType(fleet.in_flight)
+        self.kv_free = MappingProxyType(fleet.kv_free)
         self.handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]] = (
             self.pd if cfg.pd else self.regular)
 
@@ -106,7 +109,7 @@ class Proxy:
                                     param="model")
             raise NoWorker(f"no healthy {role} worker for model {creq.model!r}",
                            headers={"Retry-After": "1"})
-        return self.policies[role].select(creq, View(cands, self.load))
+        return self.policies[role].select(creq, View(cands, self.load, self.kv_free))
 
     # -- PD -------------------------------------------------------------------------------
 
@@ -115,41 +118,50 @@ class Proxy:
         pw = self._pick("prefill", creq)
         dw = self._pick("decode", creq)
         headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        ledger = self.ledger
+        e = ledger.begin(creq.request_id, pw)
         try:
             pres = await self.up.post_json("prefill", pw, creq.path, prefill_body(creq.body, dw, self.mesh_id),
                                            headers, self.cfg.timeouts.prefill)
-        except asyncio.CancelledError:
-            # the prefill may have finished holding KV before it saw us leave
-            self.bg.spawn(self._reclaim_request(pw, creq.request_id))
+        except MeshError as err:
+            # a prefill that answered with an error holds nothing; one cut off mid-flight may
+            ledger.prefill_failed(e, uncertain=not getattr(err, "answered", False))
+            raise
+        except BaseException:  # cancelled by a client that left
+            ledger.prefill_failed(e, uncertain=True)
             raise
         t1 = asyncio.get_running_loop().time()
         self.metrics.leg("prefill", t1 - t0)
         raw = pres.get("kv_transfer_params")
         try:
             kv = KVHandoffParams.decode(raw, "kv_transfer_params")
-        except ProtocolError as e:
+        except ProtocolError as err:
             if isinstance(raw, dict) and isinstance(raw.get("transfer_id"), str):
-                self.bg.spawn(self.up.release(pw, raw["transfer_id"], "bad-handoff"))
+                ledger.held(e, raw["transfer_id"], 0)
+                await ledger.reclaim(e, "bad-handoff")
+            else:
+                ledger.prefill_failed(e, uncertain=True)
             self.up.failed("prefill", pw, "garbage")
             raise UpstreamError(f"prefill pipeline {pw.id} answered without valid kv_transfer_params: "
-                                f"{e.message}") from None
+                                f"{err.message}") from None
+        ledger.held(e, kv.transfer_id, len(kv.remote_block_ids))
         dbody = dict(creq.body)
         dbody["kv_transfer_params"] = handoff_for_decode(raw)
         data = orjson.dumps(dbody)
         try:
             dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
         except asyncio.CancelledError:
-            self.bg.spawn(self.up.release(pw, kv.transfer_id, "client-disconnect"))
+            self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
             raise
         except Exception:
             # freed before the client hears of the failure
-            await self.up.release(pw, kv.transfer_id, "decode-failed")
+            await ledger.reclaim(e, "decode-failed")
             raise
-        return await self._relay(request, creq, dw, resp, first, t0, t1)
-
-    async def _reclaim_request(self, pw: Worker, request_id: str) -> None:
-        for tid in await self.up.held_for_request(pw, request_id):
-            await self.up.release(pw, tid, "client-disconnect")
+        ledger.decoding(e)
+        try:
+            return await self._relay(request, creq, dw, resp, first, t0, t1)
+        finally:
+            ledger.decode_done(e)
 
     # -- regular --------------------------------------------------------------------------
 

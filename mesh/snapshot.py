@@ -40,9 +40,10 @@ class Worker:
 
 @dataclass(frozen=True, slots=True)
 class View:
-    """What a policy sees for one decision: candidates (never empty) and in-flight counts."""
+    """What a policy sees for one decision: candidates (never empty), in-flight counts, free KV."""
     workers: tuple[Worker, ...]
     load: Mapping[str, int]  # worker id -> in-flight requests on it (read-only)
+    kv_free: Mapping[str, int] = field(default_factory=dict)  # pipeline id -> free KV blocks (estimate)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,12 +27,16 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 def upstream_status_error(leg: str, w: Worker, status: int, body: bytes) -> MeshError:
     """A worker's non-2xx answer as the error the client should see."""
+    err: MeshError
     if 400 <= status < 500 and status != 408:
-        return UpstreamClientError(status, _as_openai_error(body, status), f"{leg} refused: {status}")
-    if status in (503, 429):
-        return UpstreamError(f"{leg} worker {w.id} is unavailable ({status})", status=503,
-                             code="upstream_unavailable")
-    return UpstreamError(f"{leg} worker {w.id} failed with status {status}")
+        err = UpstreamClientError(status, _as_openai_error(body, status), f"{leg} refused: {status}")
+    elif status in (503, 429):
+        err = UpstreamError(f"{leg} worker {w.id} is unavailable ({status})", status=503,
+                            code="upstream_unavailable")
+    else:
+        err = UpstreamError(f"{leg} worker {w.id} failed with status {status}")
+    err.answered = True  # type: ignore[attr-defined]  # the worker did answer: it holds nothing for it
+    return err
 
 
 def _as_openai_error(body: bytes, status: int) -> bytes:
@@ -96,27 +100,29 @@ class Upstream:
             raise UpstreamError(f"{leg} worker {w.id} answered with JSON that is not an object")
         return out
 
-    async def release(self, w: Worker, transfer_id: str, reason: str) -> bool:
-        """`POST /kv/release` (idempotent on the holder). False when it could not be sent."""
+    async def release(self, w: Worker, transfer_id: str, reason: str) -> bool | None:
+        """`POST /kv/release` (idempotent on the holder): True if this call freed the transfer,
+        False if it was already free, None if the holder could not be asked."""
         try:
             async with asyncio.timeout(self.timeouts.release):
                 async with self.session.post(
                         w.url + "/kv/release", headers=JSON_HEADERS, timeout=self.short,
                         data=orjson.dumps({"transfer_id": transfer_id, "reason": reason})) as r:
-                    await r.read()
-                    ok = r.status < 300
-        except (aiohttp.ClientError, TimeoutError):
-            ok = False
-        self.metrics.release_sent(reason, "ok" if ok else "failed")
-        return ok
+                    body = await r.read()
+                    status = r.status
+            out = bool(orjson.loads(body).get("released")) if status < 300 else None
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+            out = None
+        self.metrics.release_sent(reason, {True: "freed", False: "already_free", None: "failed"}[out])
+        return out
 
-    async def held_for_request(self, w: Worker, request_id: str) -> list[str]:
-        """Transfer ids the holder keeps for one request (a prefill cut off mid-flight)."""
+    async def get_held(self, w: Worker, since: int) -> bytes | None:
+        """The raw `GET /kv/held?since=SEQ` answer of a pipeline, None when it cannot be had."""
         try:
             async with asyncio.timeout(self.timeouts.release):
-                async with self.session.get(w.url + "/kv/held", timeout=self.short) as r:
-                    data = orjson.loads(await r.read())
-            return [t["transfer_id"] for t in data.get("transfers", [])
-                    if isinstance(t, dict) and t.get("request_id") == request_id]
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError, KeyError):
-            return []
+                async with self.session.get(f"{w.url}/kv/held?since={since}", timeout=self.short) as r:
+                    if r.status != 200:
+                        return None
+                    return await r.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return None

@@ -63,6 +63,8 @@ class MockFaults:
     drop_write_done: float = 0.0
     drop_release: float = 0.0
     unhealthy: bool = False        # GET /health answers 503
+    crash_before_pull: float = 0.0  # decode: fraction of PD requests whose connection dies before the KV pull
+    crash_after_pull: float = 0.0   # decode: ... dies after the pull, before any release (a lost release)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "MockFaults":
@@ -314,7 +316,11 @@ class MockPrefill(_Worker):
                           free_blocks=self.holder.pool.free, num_blocks=self.holder.pool.num_blocks)
 
     async def _held(self, request: web.Request) -> web.Response:
-        return _json(self.holder.listing().encode())
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return _error(400, "since must be an integer", "since")
+        return _json(self.holder.listing(since).encode())
 
     async def _release(self, request: web.Request) -> web.Response:
         try:
@@ -404,16 +410,27 @@ class MockDecode(_Worker):
             return _error(400, e.message, e.param)
         assert self.channel is not None
         rid = request.headers.get("X-Request-Id", "")
+        if self.faults.crash_before_pull and self.rng.random() < self.faults.crash_before_pull:
+            return _crash_response(request)
         try:
             await self.channel.pull(params, self.ranks(), params.remote_block_ids, request_id=rid,
                                     deadline_s=self.pull_deadline_s)
         except KVTransferError as e:
             self.pulls_failed += 1
             return _error(502, e.message, None, code="kv_transfer_failed")
+        if self.faults.crash_after_pull and self.rng.random() < self.faults.crash_after_pull:
+            return _crash_response(request)
         for r in range(self.tp_size):
             await self.channel.release(params, r)
         prompt = render_prompt(kind, body)  # type: ignore[arg-type]
         return await self.answer(request, kind, body, prompt, params.first_token_id)
+
+
+def _crash_response(request: web.Request) -> web.StreamResponse:
+    """The connection dies with nothing sent (a crashed engine, as the mesh sees it)."""
+    if request.transport is not None:
+        request.transport.abort()
+    return web.Response(status=500)
 
 
 def _prompt_tokens(body: dict[str, Any], prompt: str) -> int:
@@ -451,6 +468,8 @@ class FleetSpec:
     timing: MockTiming = MockTiming()
     faults: MockFaults = MockFaults()
     seed: int | None = None
+    pull_deadline_s: float = 10.0
+    id_prefix: str = "mock-"        # worker ids are <prefix>prefill-<i> / <prefix>decode-<i>
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.prefill + self.decode == 0:
@@ -473,13 +492,13 @@ class MockFleet:
         port = s.base_port
         common = dict(model=s.model, host=s.host, timing=s.timing, faults=s.faults)
         for i in range(s.prefill):
-            w = MockPrefill(worker_id=f"mock-prefill-{i}", pp_size=s.pp_size, block_size=s.block_size,
+            w = MockPrefill(worker_id=f"{s.id_prefix}prefill-{i}", pp_size=s.pp_size, block_size=s.block_size,
                             num_blocks=s.num_blocks, ttl_s=s.ttl_s,
                             seed=None if s.seed is None else s.seed + i, **common)  # type: ignore[arg-type]
             await self._serve(w, port + i if port else 0)
             self.prefills.append(w)
         for i in range(s.decode):
-            w2 = MockDecode(worker_id=f"mock-decode-{i}", tp_size=s.tp_size,
+            w2 = MockDecode(worker_id=f"{s.id_prefix}decode-{i}", tp_size=s.tp_size, pull_deadline_s=s.pull_deadline_s,
                             seed=None if s.seed is None else s.seed + 1000 + i, **common)  # type: ignore[arg-type]
             await self._serve(w2, port + s.prefill + i if port else 0)
             self.decodes.append(w2)

@@ -9,11 +9,11 @@ frees the blocks exactly once; later releases are counted as duplicates and chan
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mesh.protocol import HeldList, HeldTransfer
+from mesh.protocol import FreedTransfer, HeldList, HeldTransfer
 
 
 class BlockPool:
@@ -53,7 +53,7 @@ class Held:
 
 class TransferHolder:
     def __init__(self, pool: BlockPool, ttl_s: float = 120.0,
-                 on_free: Callable[[Held, str], None] | None = None) -> None:
+                 on_free: Callable[[Held, str], None] | None = None, remember: int = 4096) -> None:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be > 0")
         self.pool = pool
@@ -62,6 +62,8 @@ class TransferHolder:
         self._on_free = on_free
         self.freed_by: Counter[str] = Counter()   # consumer / mesh-reclaim:<reason> / ttl
         self.duplicate_releases = 0
+        self.recent: deque[FreedTransfer] = deque(maxlen=remember)  # for the mesh's reconciliation
+        self.seq = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -119,12 +121,17 @@ class TransferHolder:
         del self._held[h.transfer_id]
         self.pool.release(h.blocks)
         self.freed_by[path] += 1
+        self.seq += 1
+        self.recent.append(FreedTransfer(transfer_id=h.transfer_id, path=path, request_id=h.request_id,
+                                         held_s=round(time.monotonic() - h.created, 4), seq=self.seq))
         if self._on_free is not None:
             self._on_free(h, path)
 
-    def listing(self) -> HeldList:
+    def listing(self, since: int = 0) -> HeldList:
+        """Held transfers, plus the freed ones with seq > `since` (the ring keeps the newest)."""
         now = time.monotonic()
+        freed = tuple(f for f in self.recent if f.seq > since) if since < self.seq else ()
         return HeldList(transfers=tuple(
             HeldTransfer(transfer_id=h.transfer_id, blocks=len(h.blocks), age_s=round(now - h.created, 3),
                          request_id=h.request_id, mesh_id=h.mesh_id)
-            for h in self._held.values()))
+            for h in self._held.values()), freed=freed, seq=self.seq)

@@ -1,0 +1,279 @@
+"""The KV ledger: every transfer from prefill to release, each ending in exactly one terminal state.
+
+PROTOCOL.md section 7. Per request:
+
+    PREFILLING -> HELD (prefill returned its kv_transfer_params) -> DECODING (decode's first byte)
+      -> RELEASED   the holder freed it on the consumer's `release`
+      -> RECLAIMED  the mesh freed it (`POST /kv/release`): client left before decode had the KV,
+                    decode failed before its first byte, or the release was lost (still held
+                    `grace_s` after decode finished)
+      -> EXPIRED    the holder's own TTL freed it
+      -> NO_KV      the prefill never held anything (it failed, or was cut off and nothing
+                    showed up for the request id within `grace_s`)
+
+The mesh does not see the consumer's release (it goes decode -> stage 0 over ZMQ): it learns
+the outcome by reconciling with each pipeline's `GET /kv/held?since=SEQ`, which lists what is
+held and what was freed since SEQ, by which path. The same listing lets a restarted mesh adopt
+what pipelines still hold under its mesh id, and reclaim it after the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+import orjson
+
+from mesh.errors import ProtocolError
+from mesh.protocol import HeldList
+from mesh.snapshot import Worker
+
+if TYPE_CHECKING:
+    from mesh.fleet import Fleet
+    from mesh.metrics import Metrics
+    from mesh.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class State(str, enum.Enum):
+    PREFILLING = "PREFILLING"
+    HELD = "HELD"
+    DECODING = "DECODING"
+    RELEASED = "RELEASED"
+    RECLAIMED = "RECLAIMED"
+    EXPIRED = "EXPIRED"
+    NO_KV = "NO_KV"
+
+
+TERMINAL = frozenset({State.RELEASED, State.RECLAIMED, State.EXPIRED, State.NO_KV})
+_BY_PATH = {"consumer": State.RELEASED, "ttl": State.EXPIRED, "mesh-reclaim": State.RECLAIMED}
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    request_id: str
+    pipeline: Worker
+    state: State
+    created: float
+    transfer_id: str = ""
+    blocks: int = 0
+    held_at: float = 0.0
+    decode_done_at: float = 0.0     # decode finished, or the client left after its first byte
+    look_until: float = 0.0         # prefill cut off: look for a transfer of this request until then
+    adopted: bool = False           # found on a pipeline under our mesh id, not started by us
+    reclaiming: bool = False
+
+
+class Ledger:
+    def __init__(self, mesh_id: str, fleet: "Fleet", metrics: "Metrics", *, grace_s: float = 5.0,
+                 interval_s: float = 0.5, full_interval_s: float = 10.0, recent: int = 200) -> None:
+        if grace_s <= 0 or interval_s <= 0 or full_interval_s <= 0:
+            raise ValueError("grace_s, interval_s and full_interval_s must be > 0")
+        self.mesh_id = mesh_id
+        self.fleet = fleet
+        self.metrics = metrics
+        self.grace_s = grace_s
+        self.interval_s = interval_s
+        self.full_interval_s = full_interval_s
+        self.open: dict[str, Entry] = {}               # request id -> live entry
+        self.by_transfer: dict[str, Entry] = {}
+        self.totals: Counter[str] = Counter()           # terminal state -> count (adopted ones apart)
+        self.adopted_totals: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
+        self._since: dict[str, int] = {}                # pipeline id -> last freed seq seen
+        self._finished: deque[str] = deque(maxlen=8192)  # transfer ids recently finished (no re-adoption)
+        self._finished_set: set[str] = set()
+        self._last_full = 0.0
+        self.upstream: "Upstream | None" = None
+
+    # -- the request path (synchronous, cheap) ------------------------------------------------
+
+    def begin(self, request_id: str, pipeline: Worker) -> Entry:
+        e = Entry(request_id, pipeline, State.PREFILLING, time.monotonic())
+        self.open[request_id] = e
+        return e
+
+    def held(self, e: Entry, transfer_id: str, blocks: int) -> None:
+        old = self.by_transfer.get(transfer_id)
+        if old is not None and old.adopted:  # a listing raced the prefill answer: ours, not adopted
+            self._drop(old)
+        e.state, e.transfer_id, e.blocks, e.held_at = State.HELD, transfer_id, blocks, time.monotonic()
+        self.by_transfer[transfer_id] = e
+        self.fleet.kv_taken(e.pipeline.id, blocks)
+
+    def prefill_failed(self, e: Entry, *, uncertain: bool) -> None:
+        """A definite refusal ends as NO_KV; a cut-off prefill is looked for until the grace ends."""
+        if uncertain:
+            e.look_until = time.monotonic() + self.grace_s
+        else:
+            self.finish(e, State.NO_KV, "prefill-failed")
+
+    def decoding(self, e: Entry) -> None:
+        if e.state == State.HELD:
+            e.state = State.DECODING
+
+    def decode_done(self, e: Entry) -> None:
+        if e.state not in TERMINAL:
+            e.decode_done_at = time.monotonic()
+
+    def finish(self, e: Entry, state: State, reason: str, held_s: float | None = None) -> None:
+        if e.state in TERMINAL:
+            return
+        e.state = state
+        self._drop(e)
+        if e.transfer_id:
+            self._finished.append(e.transfer_id)
+            self._finished_set.add(e.transfer_id)
+            if len(self._finished_set) > self._finished.maxlen:  # type: ignore[operator]
+                self._finished_set = set(self._finished)
+            if state != State.NO_KV and not e.adopted:
+                self.fleet.kv_returned(e.pipeline.id, e.blocks)
+        (self.adopted_totals if e.adopted else self.totals)[state.value] += 1
+        if held_s is None and e.held_at:
+            held_s = time.monotonic() - e.held_at
+        self.metrics.kv_terminal(state.value, reason, held_s if state != State.NO_KV else None)
+        self.recent.append({"request_id": e.request_id, "transfer_id": e.transfer_id, "pipeline": e.pipeline.id,
+                            "state": state.value, "reason": reason, "adopted": e.adopted,
+                            "held_s": None if held_s is None else round(held_s, 4)})
+
+    def _drop(self, e: Entry) -> None:
+        if self.open.get(e.request_id) is e:
+            del self.open[e.request_id]
+        if e.transfer_id and self.by_transfer.get(e.transfer_id) is e:
+            del self.by_transfer[e.transfer_id]
+
+    # -- reclaiming -----------------------------------------------------------------------
+
+    async def reclaim(self, e: Entry, reason: str) -> None:
+        """Free the transfer on its pipeline now; the answer tells which path freed it."""
+        assert self.upstream is not None
+        if e.state in TERMINAL or e.reclaiming or not e.transfer_id:
+            return
+        e.reclaiming = True
+        try:
+            released = await self.upstream.release(e.pipeline, e.transfer_id, reason)
+        finally:
+            e.reclaiming = False
+        if released is True:
+            self.finish(e, State.RECLAIMED, reason)
+            return
+        if released is False:  # already freed by another path: the next listing tells which
+            self.metrics.duplicate_release()
+        # False, or None (the pipeline could not be asked): reconciliation settles it after the grace
+        e.decode_done_at = e.decode_done_at or time.monotonic()
+
+    # -- reconciliation -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.reconcile()
+            except Exception:  # noqa: BLE001 - one bad round must not end reconciliation
+                log.exception("ledger reconciliation failed")
+
+    async def reconcile(self, full: bool = False) -> None:
+        now = time.monotonic()
+        full = full or now - self._last_full >= self.full_interval_s
+        if full:
+            self._last_full = now
+            targets = [w for w in self.fleet.workers() if w.role == "prefill"]
+        else:
+            seen: dict[str, Worker] = {}
+            for e in self.open.values():
+                if e.decode_done_at or e.look_until or e.state == State.DECODING:
+                    seen.setdefault(e.pipeline.id, e.pipeline)
+            targets = list(seen.values())
+        if targets:
+            await asyncio.gather(*(self._reconcile_pipeline(w) for w in targets))
+
+    async def _reconcile_pipeline(self, w: Worker) -> None:
+        assert self.upstream is not None
+        raw = await self.upstream.get_held(w, self._since.get(w.id, 0))
+        if raw is None:
+            return
+        try:
+            listing = HeldList.decode(orjson.loads(raw), "kv/held")
+        except (orjson.JSONDecodeError, ProtocolError) as e:
+            log.warning("pipeline %s: bad /kv/held answer: %s", w.id, e)
+            return
+        if listing.seq < self._since.get(w.id, 0):  # the holder restarted: its old transfers are gone
+            for e in [e for e in self.open.values() if e.pipeline.id == w.id and e.transfer_id]:
+                self.finish(e, State.RELEASED, "holder-restarted")
+        self._since[w.id] = listing.seq
+        for f in listing.freed:
+            e = self.by_transfer.get(f.transfer_id)
+            if e is None and f.request_id:  # a cut-off prefill whose transfer was freed before we saw it
+                cand = self.open.get(f.request_id)
+                if cand is not None and cand.pipeline.id == w.id and cand.look_until and not cand.transfer_id:
+                    e = cand
+                    e.transfer_id = f.transfer_id
+            if e is not None:
+                self.finish(e, _BY_PATH.get(f.path, State.RELEASED), f"holder:{f.path}", held_s=f.held_s)
+        now = time.monotonic()
+        held_ids = set()
+        pending = []
+        for t in listing.transfers:
+            held_ids.add(t.transfer_id)
+            e = self.by_transfer.get(t.transfer_id)
+            if e is None and t.request_id:
+                e = self.open.get(t.request_id)
+                if e is not None and e.pipeline.id == w.id and e.look_until and not e.transfer_id:
+                    # a prefill we cut off did hold KV after all: take it over and free it
+                    e.transfer_id, e.blocks, e.held_at = t.transfer_id, t.blocks, now - t.age_s
+                    self.by_transfer[t.transfer_id] = e
+                    pending.append(self.reclaim(e, "client-disconnect"))
+                    continue
+                e = None
+            if e is None:
+                if t.mesh_id == self.mesh_id and t.age_s > self.grace_s and t.transfer_id not in self._finished_set:
+                    self._adopt(w, t.transfer_id, t.blocks, t.request_id, t.age_s)
+                continue
+            if e.decode_done_at and now - e.decode_done_at > self.grace_s:
+                pending.append(self.reclaim(e, "lost-release"))
+        for e in [e for e in self.open.values() if e.pipeline.id == w.id]:
+            if e.look_until and not e.transfer_id and now > e.look_until:
+                self.finish(e, State.NO_KV, "prefill-cut-off")
+            elif e.transfer_id and e.transfer_id not in held_ids and (e.decode_done_at or e.adopted) \
+                    and now - max(e.decode_done_at, e.held_at) > self.grace_s:
+                # gone from the holder, and not in its freed records (the ring wrapped)
+                self.finish(e, State.RELEASED, "not-listed")
+        if pending:
+            await asyncio.gather(*pending)
+
+    def _adopt(self, w: Worker, transfer_id: str, blocks: int, request_id: str, age_s: float) -> None:
+        now = time.monotonic()
+        e = Entry(request_id or f"adopted:{transfer_id}", w, State.DECODING, now - age_s, transfer_id, blocks,
+                  held_at=now - age_s, decode_done_at=now - self.grace_s, adopted=True)
+        self.open[e.request_id] = e
+        self.by_transfer[transfer_id] = e
+        log.info("adopted transfer %s on %s (held %.1fs under this mesh id)", transfer_id, w.id, age_s)
+
+    # -- views ----------------------------------------------------------------------------
+
+    def held_by_pipeline(self) -> dict[str, dict[str, float]]:
+        now = time.monotonic()
+        out: dict[str, dict[str, float]] = {}
+        for e in self.open.values():
+            if e.transfer_id:
+                d = out.setdefault(e.pipeline.id, {"transfers": 0, "blocks": 0, "oldest_age_s": 0.0})
+                d["transfers"] += 1
+                d["blocks"] += e.blocks
+                d["oldest_age_s"] = max(d["oldest_age_s"], round(now - e.held_at, 3))
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"mesh_id": self.mesh_id, "held": self.held_by_pipeline(),
+                "open": dict(Counter(e.state.value for e in self.open.values())),
+                "terminal": dict(self.totals), "adopted_terminal": dict(self.adopted_totals),
+                "recent": list(self.recent)}
+
+    def gauge_rows(self) -> Iterable[tuple[str, int, int, float]]:
+        for pid, d in self.held_by_pipeline().items():
+            yield pid, int(d["transfers"]), int(d["blocks"]), d["oldest_age_s"]
