@@ -111,6 +111,14 @@ class NoWorker(MeshError):
     code = "no_healthy_worker"
 
 
+class InsufficientKV(MeshError):
+    """No pipeline has free KV blocks for this prompt right now."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "kv_exhausted"
+
+
 class ProtocolError(MeshError):
     """A message on a worker boundary does not match PROTOCOL.md."""
 

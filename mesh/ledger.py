@@ -91,12 +91,14 @@ class Ledger:
         self._finished_set: set[str] = set()
         self._last_full = 0.0
         self.upstream: "Upstream | None" = None
+        self.began = 0
 
     # -- the request path (synchronous, cheap) ------------------------------------------------
 
     def begin(self, request_id: str, pipeline: Worker) -> Entry:
         e = Entry(request_id, pipeline, State.PREFILLING, time.monotonic())
         self.open[request_id] = e
+        self.began += 1
         return e
 
     def held(self, e: Entry, transfer_id: str, blocks: int) -> None:

@@ -241,7 +241,11 @@ class Proxy:
                 "Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
             await out.prepare(request)
             self.metrics.ttft(creq.kind, loop.time() - t0)
-            await self._pump(out, resp, first, w, role)
+            try:
+                await self._pump(out, resp, first, w, role)
+            except ConnectionResetError:  # the client left mid-stream: the decode leg is cut below
+                log.debug("request %s: client left mid-stream", creq.request_id)
+                return out
             self.metrics.leg(role, loop.time() - t_leg)
             return out
         finally:

@@ -19,12 +19,13 @@ from typing import Any, Callable
 from policies.base import Policy, PolicyBase, RoutingRequest
 from policies.cache_aware import CacheAware
 from policies.consistent_hash import ConsistentHash
+from policies.kv_pressure import KVPressure
 from policies.simple import LeastLoaded, PowerOfTwo, Random, RoundRobin
 
 ENTRY_POINT_GROUP = "atomesh.policies"
 
 BUILTINS: dict[str, Callable[..., Policy]] = {
-    cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, LeastLoaded, CacheAware, ConsistentHash)
+    cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, LeastLoaded, CacheAware, ConsistentHash, KVPressure)
 }
 
 

@@ -168,3 +168,59 @@ def test_entry_point_policy_picked_by_name_in_mesh(tmp_path):
             assert mesh.stop() == 0
     finally:
         fleet.stop()
+
+
+def pipelines(n: int, num_blocks: int = 100, block_size: int = 16):
+    return tuple(make_worker("prefill", {"url": f"http://127.0.0.1:{9100 + i}", "id": f"p{i}", "model": "m",
+                                         "num_blocks": num_blocks, "block_size": block_size}, i) for i in range(n))
+
+
+def test_kv_pressure_prefers_most_free_and_refuses_what_cannot_fit():
+    from mesh.errors import InsufficientKV, InvalidRequest
+
+    ws = pipelines(3)
+    p = policies.create("kv_pressure")
+    prompt = "x" * (16 * 10)  # 10 blocks
+    assert p.select(req(prompt), View(ws, {}, {"p0": 50, "p1": 80, "p2": 20})).id == "p1"
+    # p1 has the most free, but not enough for a 60-block prompt... nor anyone else except p0
+    big = "y" * (16 * 60)
+    assert p.select(req(big), View(ws, {}, {"p0": 70, "p1": 59, "p2": 65})).id == "p0"
+    with pytest.raises(InsufficientKV):
+        p.select(req(big), View(ws, {}, {"p0": 10, "p1": 10, "p2": 10}))
+    with pytest.raises(InvalidRequest) as e:
+        p.select(req("z" * (16 * 101)), View(ws, {}, {}))
+    assert e.value.param == "prompt"
+    # ties on free blocks go to the less loaded
+    assert p.select(req(prompt), View(ws, {"p0": 3, "p1": 0, "p2": 3}, {"p0": 40, "p1": 40, "p2": 40})).id == "p1"
+
+
+async def test_kv_pressure_in_the_mesh_tracks_blocks(make_pd, http):
+    import asyncio
+
+    from workers.mock import FleetSpec, MockFaults
+
+    pd = await make_pd(FleetSpec(prefill=2, decode=1, num_blocks=64, pp_size=2,
+                                 faults=MockFaults(slow_stage=1, slow_stage_ms=800)),
+                       prefill_policy="kv_pressure", ledger_interval=0.05, ledger_grace=1.0)
+    assert pd.state.fleet.kv_free == {"mock-prefill-0": 64, "mock-prefill-1": 64}
+
+    async def one(i):
+        async with http.post(pd.url + "/v1/completions", json={"model": "mock-model", "prompt": f"{i}" * 16 * 20,
+                                                               "max_tokens": 2}) as r:
+            return r.status
+
+    tasks = [asyncio.create_task(one(i)) for i in range(3)]
+    await asyncio.sleep(0.3)  # three prefills of 20 blocks held, their pulls slowed by stage 1
+    free = pd.state.fleet.kv_free
+    assert sum(free.values()) == 128 - 60 and min(free.values()) >= 64 - 40  # spread by free blocks
+    # a prompt of 45 blocks fits nowhere while those are held (free: 24 and 44)
+    async with http.post(pd.url + "/v1/completions", json={"model": "mock-model", "prompt": "q" * 16 * 45,
+                                                           "max_tokens": 2}) as r:
+        assert r.status == 503 and (await r.json())["error"]["code"] == "kv_exhausted"
+    assert await asyncio.gather(*tasks) == [200, 200, 200]
+    assert await pd.wait_released() == 0
+    for _ in range(100):
+        if sum(pd.state.fleet.kv_free.values()) == 128:
+            break
+        await asyncio.sleep(0.02)
+    assert sum(pd.state.fleet.kv_free.values()) == 128

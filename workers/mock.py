@@ -105,12 +105,23 @@ class _Worker:
     def __init__(self, *, worker_id: str, model: str, host: str, timing: MockTiming, faults: MockFaults,
                  seed: int | None = None) -> None:
         self.id, self.model, self.host = worker_id, model, host
-        self.timing, self.faults = timing, faults
+        self.timing = timing
+        self._faults = faults
         self.rng = random.Random(seed)
         self.in_flight = 0
         self.url = ""
         self.port = 0
         self.requests = 0
+
+    @property
+    def faults(self) -> MockFaults:
+        return self._faults
+
+    @faults.setter
+    def faults(self, f: MockFaults) -> None:
+        """Faults change at run time too (tests, `POST /mock/faults`); side-channel ones included."""
+        self._faults = f
+        self.apply_faults()
 
     def delay(self, ms: float) -> float:
         if ms <= 0:
@@ -149,7 +160,6 @@ class _Worker:
     async def _set_faults(self, request: web.Request) -> web.Response:
         try:
             self.faults = MockFaults.from_json(orjson.loads(await request.read()))
-            self.apply_faults()
         except (ValueError, TypeError, AttributeError, orjson.JSONDecodeError) as e:
             return _error(400, f"bad faults: {e}", "faults")
         return _json(dataclasses.asdict(self.faults))
