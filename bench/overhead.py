@@ -157,7 +157,7 @@ async def main(a: argparse.Namespace) -> list[Result]:
     prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
     decodes = [line.split()[1] for line in lines if line.startswith("decode ")]
     cmd = [MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
-           "--decode-policy", "round_robin"]
+           "--decode-policy", "round_robin", *a.mesh_args.split()]
     for u in prefills:
         cmd += ["--prefill", u]
     for u in decodes:
@@ -207,6 +207,7 @@ if __name__ == "__main__":
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--policy", default="cache_aware", help="prefill policy of the mesh")
+    ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--ledger-interval 1'")
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     try:

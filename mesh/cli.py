@@ -87,7 +87,9 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
             decode_retries=pick(a.decode_retries, "decode_retries", 1),
             session_header=m.get("session_header", "X-Session-Id"),
             health_interval=pick(a.health_interval, "health_interval", 2.0),
-            unhealthy_after=m.get("unhealthy_after", 2), timeouts=to, limits=lim)
+            unhealthy_after=m.get("unhealthy_after", 2), timeouts=to, limits=lim,
+            mesh_id=pick(a.mesh_id, "mesh_id", ""), ledger_grace=pick(a.ledger_grace, "ledger_grace", 5.0),
+            ledger_interval=pick(a.ledger_interval, "ledger_interval", 0.5))
     except TypeError as e:
         raise ConfigError(f"[mesh]: {e}") from None
 
@@ -256,6 +258,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-policy")
     s.add_argument("--decode-retries", type=int)
     s.add_argument("--health-interval", type=float)
+    s.add_argument("--mesh-id", help="stable id of this replica (KV adoption after a restart); "
+                   "default mesh-<hostname>-<port>")
+    s.add_argument("--ledger-grace", type=float, help="seconds a transfer may stay held after decode (default 5)")
+    s.add_argument("--ledger-interval", type=float, help="seconds between /kv/held reconciliations (default 0.5)")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "

@@ -130,10 +130,10 @@ class Ledger:
         e.state = state
         self._drop(e)
         if e.transfer_id:
+            if len(self._finished) == self._finished.maxlen:
+                self._finished_set.discard(self._finished[0])  # about to fall off the ring
             self._finished.append(e.transfer_id)
             self._finished_set.add(e.transfer_id)
-            if len(self._finished_set) > self._finished.maxlen:  # type: ignore[operator]
-                self._finished_set = set(self._finished)
             if state != State.NO_KV and not e.adopted:
                 self.fleet.kv_returned(e.pipeline.id, e.blocks)
         (self.adopted_totals if e.adopted else self.totals)[state.value] += 1
