@@ -27,9 +27,11 @@ $(VENV)/.stamp-run: pyproject.toml | $(BIN)/python
 	$(PIP) -e .
 	touch $@
 
-# Tests: runtime plus the test tools.
+# Tests: runtime, the engine (torch pinned first: a bare `torch` would pull a multi-GB CUDA
+# build; 2.13.0 resolves to the CPU build these machines carry) and the test tools.
 $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-run
-	$(PIP) -e '.[test,bench]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[engine,test,bench]'
 	touch $@
 
 venv: $(VENV)/.stamp-test

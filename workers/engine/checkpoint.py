@@ -1,0 +1,100 @@
+"""Checkpoints in Hugging Face layout: `config.json` + `*.safetensors` with HF parameter names.
+
+`load_weights` reads only the tensors a process needs (its PP layer range) and slices them for
+its TP rank; `generate` writes a seeded random checkpoint (no hub access here: the demo and the
+tests make their own).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workers.engine.config import ModelConfig, Parallel
+
+# how each per-layer weight is split across TP ranks: dim 0 (column parallel), dim 1 (row parallel)
+TP_SPLIT = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+            "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
+            "mlp.down_proj.weight": 1}
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if size == 1:
+        return t
+    if t.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split into {size} TP ranks")
+    return t.chunk(size, dim=dim)[rank].contiguous()
+
+
+def load_weights(checkpoint: str | Path, cfg: ModelConfig, par: Parallel,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors for this stage's layers and this TP rank, cast to `dtype`."""
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {checkpoint}")
+    end = cfg.num_hidden_layers if par.layer_end < 0 else par.layer_end
+    wanted_layers = range(par.layer_start, end)
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name.startswith("model.layers."):
+                    idx = int(name.split(".")[2])
+                    if idx not in wanted_layers:
+                        continue
+                    suffix = name.split(".", 3)[3]
+                    t = st.get_tensor(name)
+                    if suffix in TP_SPLIT:
+                        t = _shard(t, TP_SPLIT[suffix], par.tp_rank, par.tp_size)
+                elif name == "model.embed_tokens.weight":
+                    if not (par.first or (par.last and cfg.tie_word_embeddings)):
+                        continue
+                    t = st.get_tensor(name)
+                elif name in ("model.norm.weight", "lm_head.weight"):
+                    if not par.last:
+                        continue
+                    t = st.get_tensor(name)
+                else:
+                    continue
+                out[name] = t.to(dtype)
+    return out
+
+
+def generate(path: str | Path, cfg: ModelConfig, seed: int = 0) -> Path:
+    """Write a seeded random Llama checkpoint in HF layout (float32)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(cfg.vocab_size, h, std=0.5),
+                                  "model.norm.weight": 1 + rnd(h, std=0.1)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = rnd(cfg.vocab_size, h, std=0.1)
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        t |= {p + "self_attn.q_proj.weight": rnd(q_out, h, std=0.15), p + "self_attn.k_proj.weight": rnd(kv_out, h, std=0.15),
+              p + "self_attn.v_proj.weight": rnd(kv_out, h, std=0.1), p + "self_attn.o_proj.weight": rnd(h, q_out, std=0.1),
+              p + "mlp.gate_proj.weight": rnd(i, h, std=0.1), p + "mlp.up_proj.weight": rnd(i, h, std=0.1),
+              p + "mlp.down_proj.weight": rnd(h, i, std=0.1),
+              p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1)}
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    return path
+
+
+def tiny_config(**kw: object) -> ModelConfig:
+    """The small model the demo and tests use (byte-level vocabulary plus specials)."""
+    base = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                max_position_embeddings=2048, bos_token_id=256, eos_token_id=257)
+    base.update(kw)
+    return ModelConfig(**base)  # type: ignore[arg-type]

@@ -1,0 +1,167 @@
+"""The engine: scheduler + model + paged KV, one synchronous `step()` at a time.
+
+`Engine` runs a whole model in this process (monolithic, or TP rank 0 / PP stage 0 when given
+a distributed `forward`). The PD hooks: `add(..., hold=True)` stops after the first token and
+keeps the blocks until `release`; `add_from_kv` continues from KV already in given blocks plus
+the prefill's first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workers.engine import tokenizer as tok
+from workers.engine.checkpoint import load_weights
+from workers.engine.config import EngineConfig, ModelConfig, Parallel
+from workers.engine.kv_cache import BlockManager, KVPool
+from workers.engine.model import ForwardBatch, LlamaStage, SeqSlice
+from workers.engine.sampling import SamplingParams, sample
+from workers.engine.scheduler import Scheduler, Sequence, SeqState, Work
+
+Forward = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]  # (batch, input_ids) -> logits
+
+
+@dataclass(slots=True)
+class StepOutput:
+    seq_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def build_batch(work: list[Work], block_size: int, device: str = "cpu") -> tuple[ForwardBatch, torch.Tensor]:
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    slices = []
+    for w in work:
+        toks = w.seq.tokens[w.start:w.start + w.n]
+        ids += toks
+        rng = range(w.start, w.start + w.n)
+        pos += rng
+        bl = w.seq.blocks
+        slots += [bl[p // block_size] * block_size + p % block_size for p in rng]
+        slices.append(SeqSlice(w.start, w.n, torch.tensor(bl, dtype=torch.long, device=device), w.want_logits))
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return ForwardBatch(slices, as_t(pos), as_t(slots)), as_t(ids)
+
+
+class Engine:
+    def __init__(self, checkpoint: str | Path, cfg: EngineConfig = EngineConfig(), par: Parallel = Parallel(),
+                 forward: Forward | None = None, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 build_model: bool = True) -> None:
+        self.cfg, self.par = cfg, par
+        self.model_cfg = ModelConfig.load(checkpoint)
+        mc = self.model_cfg
+        self.tokenizer = tok.load(checkpoint, mc.bos_token_id, mc.eos_token_id)
+        self.model: LlamaStage | None = None
+        self.pool: KVPool | None = None
+        if build_model:
+            weights = load_weights(checkpoint, mc, par, cfg.torch_dtype)
+            self.model = LlamaStage(mc, par, weights, all_reduce)
+            self.pool = KVPool(len(self.model.layer_ids), cfg.num_blocks, self.model.kv_heads, cfg.block_size,
+                               mc.head_dim, cfg.torch_dtype, cfg.device)
+        self.blocks = BlockManager(cfg.num_blocks)
+        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens)
+        self._forward = forward or self._local_forward
+        self.seqs: dict[str, Sequence] = {}
+
+    def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None and self.pool is not None
+        return self.model.forward(batch, self.pool, input_ids=input_ids)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams = SamplingParams(),
+            hold: bool = False) -> Sequence:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} exists")
+        bad = [t for t in prompt if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of the vocabulary: {bad[:5]}")
+        seq = Sequence(seq_id, list(prompt), params, hold=hold)
+        self.seqs[seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def add_from_kv(self, seq_id: str, prompt: list[int], first_token: int, block_ids: list[int],
+                    params: SamplingParams = SamplingParams()) -> Sequence:
+        """Continue a sequence whose prompt KV already sits in `block_ids` (PD decode)."""
+        need = -(-len(prompt) // self.cfg.block_size)
+        if len(block_ids) != need:
+            raise ValueError(f"{len(prompt)} prompt tokens need {need} blocks, got {len(block_ids)}")
+        self.blocks.take(list(block_ids))
+        seq = Sequence(seq_id, list(prompt), params, output=[first_token], blocks=list(block_ids),
+                       computed=len(prompt))
+        self.seqs[seq_id] = seq
+        if self._stops(seq, first_token):
+            self.scheduler.finish(seq, seq.finish_reason or "length")
+        else:
+            self.scheduler.add(seq)
+        return seq
+
+    def release(self, seq_id: str) -> bool:
+        self.seqs.pop(seq_id, None)
+        return self.scheduler.release(seq_id)
+
+    def abort(self, seq_id: str) -> None:
+        self.scheduler.abort(seq_id)
+        self.seqs.pop(seq_id, None)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        if not p.ignore_eos and token == self.model_cfg.eos_token_id or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        if len(seq.output) >= p.max_tokens or (seq.hold and len(seq.output) >= 1):
+            seq.finish_reason = "hold" if seq.hold else "length"
+            return True
+        return False
+
+    def step(self) -> list[StepOutput]:
+        out: list[StepOutput] = []
+        for seq in self.scheduler.rejected:
+            out.append(StepOutput(seq.id, [], True, "error", seq.error))
+            self.seqs.pop(seq.id, None)
+        self.scheduler.rejected.clear()
+        work = self.scheduler.schedule()
+        if not work:
+            return out
+        batch, ids = build_batch(work, self.cfg.block_size, self.cfg.device)
+        logits = self._forward(batch, ids)
+        row = 0
+        for w in work:
+            w.seq.computed = w.start + w.n
+            if not w.want_logits:
+                continue
+            seq = w.seq
+            t = sample(logits[row], seq.params, seq.generator)
+            row += 1
+            seq.output.append(t)
+            done = self._stops(seq, t)
+            if done:
+                self.scheduler.finish(seq, seq.finish_reason or "length")
+                if seq.state == SeqState.FINISHED:
+                    self.seqs.pop(seq.id, None)
+            out.append(StepOutput(seq.id, [t], done, seq.finish_reason if done else None))
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
+        """Run prompts to completion (a convenience for tests and benchmarks)."""
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        res: dict[str, list[int]] = {i: [] for i in ids}
+        for i, p in zip(ids, prompts):
+            self.add(i, p, params)
+        while self.scheduler.has_work():
+            for o in self.step():
+                if o.error:
+                    raise RuntimeError(o.error)
+                res[o.seq_id] += o.new_tokens
+        return [res[i] for i in ids]

@@ -1,0 +1,141 @@
+"""Llama-family model over a paged KV cache, sliced for one PP stage and one TP rank.
+
+Follows Hugging Face's `LlamaForCausalLM` numerics on purpose (RMSNorm and rotary angles in
+float32, then back to the working dtype) so that float64 runs agree with it to ~1e-12.
+Tensors are flat over the batch's tokens: `x` is [T, hidden].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workers.engine.config import ModelConfig, Parallel
+from workers.engine.kv_cache import KVPool
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's part of a forward pass: tokens [start, start + n) of it."""
+    start: int
+    n: int
+    block_table: torch.Tensor   # [num_blocks_of_seq] long
+    want_logits: bool           # sample after this slice (its last token ends the prompt, or decode)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    slices: list[SeqSlice]
+    positions: torch.Tensor     # [T] long
+    slots: torch.Tensor         # [T] long: block * block_size + offset
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary:
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)   # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)                          # [T, hd] each
+
+
+class Layer:
+    """One decoder layer's weights (this TP rank's shard)."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str) -> None:
+        g = lambda n: w[prefix + n]  # noqa: E731
+        self.q, self.k, self.v, self.o = (g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                                          g("self_attn.v_proj.weight"), g("self_attn.o_proj.weight"))
+        self.gate, self.up, self.down = g("mlp.gate_proj.weight"), g("mlp.up_proj.weight"), g("mlp.down_proj.weight")
+        self.ln1, self.ln2 = g("input_layernorm.weight"), g("post_attention_layernorm.weight")
+
+
+class LlamaStage:
+    """The layers [layer_start, layer_end) of one stage, for one TP rank."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, weights: dict[str, torch.Tensor],
+                 all_reduce: AllReduce | None = None) -> None:
+        self.cfg, self.par = cfg, par
+        end = cfg.num_hidden_layers if par.layer_end < 0 else par.layer_end
+        self.layer_ids = list(range(par.layer_start, end))
+        if cfg.num_key_value_heads % par.tp_size or cfg.num_attention_heads % par.tp_size:
+            raise ValueError(f"tp_size {par.tp_size} must divide the attention and KV heads")
+        self.heads = cfg.num_attention_heads // par.tp_size
+        self.kv_heads = cfg.num_key_value_heads // par.tp_size
+        self.layers = [Layer(weights, f"model.layers.{i}.") for i in self.layer_ids]
+        self.embed = weights.get("model.embed_tokens.weight")
+        self.norm = weights.get("model.norm.weight")
+        self.lm_head = weights.get("lm_head.weight", self.embed if cfg.tie_word_embeddings else None)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.all_reduce: AllReduce = all_reduce or (lambda t: t)
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage takes `input_ids` [T]; others take `hidden` [T, H]. The last stage returns
+        logits [n_sampled, vocab] for the slices that want them; others the hidden states [T, H]."""
+        x = F.embedding(input_ids, self.embed) if self.par.first else hidden
+        assert x is not None
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        for li, layer in enumerate(self.layers):
+            x = x + self._attention(li, layer, rms_norm(x, layer.ln1, self.cfg.rms_norm_eps), batch, pool, cos, sin)
+            h = rms_norm(x, layer.ln2, self.cfg.rms_norm_eps)
+            x = x + self.all_reduce(F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down))
+        if not self.par.last:
+            return x
+        rows, off = [], 0
+        for s in batch.slices:
+            off += s.n
+            if s.want_logits:
+                rows.append(off - 1)
+        x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head)
+
+    def _attention(self, li: int, layer: Layer, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, hd = h.shape[0], self.cfg.head_dim
+        q = F.linear(h, layer.q).view(T, self.heads, hd)
+        k = F.linear(h, layer.k).view(T, self.kv_heads, hd)
+        v = F.linear(h, layer.v).view(T, self.kv_heads, hd)
+        c, s_ = cos[:, None, :], sin[:, None, :]
+        q = q * c + rotate_half(q) * s_
+        k = k * c + rotate_half(k) * s_
+        pool.write(li, batch.slots, k, v)
+        outs = []
+        off = 0
+        group = self.heads // self.kv_heads
+        for sl in batch.slices:
+            qi = q[off:off + sl.n].transpose(0, 1)                       # [H, n, hd]
+            ctx = sl.start + sl.n
+            kc, vc = pool.gather(li, sl.block_table, ctx)                 # [KVH, ctx, hd]
+            if group > 1:
+                kc, vc = kc.repeat_interleave(group, 0), vc.repeat_interleave(group, 0)
+            if sl.n == 1:
+                o = F.scaled_dot_product_attention(qi, kc, vc, scale=self.scale)
+            else:
+                qpos = torch.arange(sl.start, ctx, device=h.device)[:, None]
+                mask = torch.arange(ctx, device=h.device)[None, :] <= qpos  # [n, ctx]
+                o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=self.scale)
+            outs.append(o.transpose(0, 1).reshape(sl.n, self.heads * hd))
+            off += sl.n
+        attn = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+        return self.all_reduce(F.linear(attn, layer.o))
