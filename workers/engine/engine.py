@@ -70,6 +70,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens)
         self._forward = forward or self._local_forward
         self.seqs: dict[str, Sequence] = {}
+        self.captured: dict[str, torch.Tensor] | None = None  # set to a dict: logits of each first sample
 
     def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None and self.pool is not None
@@ -142,6 +143,8 @@ class Engine:
             if not w.want_logits:
                 continue
             seq = w.seq
+            if self.captured is not None and not seq.output:
+                self.captured[seq.id] = logits[row].clone()
             t = sample(logits[row], seq.params, seq.generator)
             row += 1
             seq.output.append(t)
