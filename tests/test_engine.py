@@ -1,0 +1,186 @@
+"""The reference engine against Hugging Face `transformers` LlamaForCausalLM on the same weights (float64)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from workers.engine.checkpoint import generate, tiny_config
+from workers.engine.config import EngineConfig, ModelConfig, partition
+from workers.engine.dist import RankDied
+from workers.engine.engine import Engine
+from workers.engine.kv_cache import BlockManager
+from workers.engine.pp import PPEngine
+from workers.engine.sampling import SamplingParams
+from workers.engine.tp import TPEngine
+
+N_TOKENS = 32
+BLOCK = 4
+CHUNK = 16  # per-step token budget: several prompts are longer (chunked prefill)
+PROMPTS = [b"a", b"Hello, mesh!", b"abcdefghijklmnopq", b"The quick brown fox jumps over the lazy dog.",
+           b"0123456789" * 4 + b"x", "\u00e9t\u00e9 \u2014 \u65e5\u672c".encode(), b"short", b"z" * 23, b"!?" * 9]
+GREEDY = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # 6 layers (PP=3 uneven: 1,3,2), 4 heads / 2 KV heads (TP=2 splits the KV heads)
+    return generate(tmp_path_factory.mktemp("ckpt"), tiny_config(num_hidden_layers=6), seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """HF's last-position logits and 32 greedy tokens for every prompt."""
+    from transformers import LlamaForCausalLM
+
+    m = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="sdpa").eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([list(p)])
+            logits = m(ids).logits[0, -1]
+            g = m.generate(ids, max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           attention_mask=torch.ones_like(ids))
+            out.append((logits, g[0, ids.shape[1]:].tolist()))
+    return out
+
+
+def cfg() -> EngineConfig:
+    return EngineConfig(dtype="float64", block_size=BLOCK, num_blocks=256, max_batch_tokens=CHUNK)
+
+
+def check(engine: Engine, reference) -> None:
+    engine.captured = {}
+    outs = engine.generate([list(p) for p in PROMPTS], GREEDY)
+    for i, ((ref_logits, ref_ids), got) in enumerate(zip(reference, outs)):
+        diff = (engine.captured[f"gen-{i}"] - ref_logits).abs().max().item()
+        assert diff < 1e-9, f"prompt {i}: logits differ by {diff}"
+        assert got == ref_ids, f"prompt {i}: tokens differ"
+    assert engine.blocks.free == engine.cfg.num_blocks  # every block back
+
+
+def test_prompts_cover_the_edges():
+    lens = [len(p) for p in PROMPTS]
+    assert any(n > CHUNK for n in lens) and any(n % BLOCK for n in lens) and len(PROMPTS) >= 8
+
+
+def test_monolithic(ckpt, reference):
+    check(Engine(ckpt, cfg()), reference)
+
+
+def test_pp2(ckpt, reference):
+    eng = PPEngine(ckpt, cfg(), 2)
+    try:
+        assert eng.parts == [(0, 3), (3, 6)]
+        check(eng, reference)
+    finally:
+        eng.close()
+
+
+def test_pp3_uneven_partition(ckpt, reference):
+    eng = PPEngine(ckpt, cfg(), 3, "1,3,2")
+    try:
+        assert eng.parts == [(0, 1), (1, 4), (4, 6)]
+        check(eng, reference)
+    finally:
+        eng.close()
+
+
+def test_tp2(ckpt, reference):
+    eng = TPEngine(ckpt, cfg(), 2)
+    try:
+        assert eng.model is not None and eng.model.kv_heads == 1 and eng.model.heads == 2
+        check(eng, reference)
+    finally:
+        eng.close()
+
+
+def test_pp2_prefill_then_tp2_decode_from_first_token(ckpt, reference):
+    """PD in-process: PP=2 prefill holds its blocks; their KV is copied (sliced by KV head) into
+    a TP=2 decode engine, which continues from the prefill's first token."""
+    pre, dec = PPEngine(ckpt, cfg(), 2), TPEngine(ckpt, cfg(), 2)
+    try:
+        layers = ModelConfig.load(ckpt).num_hidden_layers
+        for i, p in enumerate(PROMPTS):
+            seq = pre.add(f"p{i}", list(p), GREEDY, hold=True)
+            while pre.scheduler.has_work():
+                pre.step()
+            assert seq.finish_reason == "hold" and len(seq.output) == 1
+            first = seq.output[0]
+            dst = dec.blocks.allocate(len(seq.blocks))
+            dec.blocks.release(dst)  # chosen here, taken by add_from_kv
+            for layer in range(layers):
+                dec.write_kv(layer, dst, pre.read_kv(layer, seq.blocks))
+            assert pre.release(f"p{i}") and not pre.release(f"p{i}")  # released once, the second is a no-op
+            dec.add_from_kv(f"d{i}", list(p), first, dst, GREEDY)
+            toks = [first]
+            while dec.scheduler.has_work():
+                for o in dec.step():
+                    toks += o.new_tokens
+            assert toks == reference[i][1], f"prompt {i}"
+        assert pre.blocks.free == pre.cfg.num_blocks and dec.blocks.free == dec.cfg.num_blocks
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_sampling_seeded_and_stops(ckpt):
+    eng = Engine(ckpt, cfg())
+    sp = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3, ignore_eos=True)
+    a = eng.generate([list(b"seeded")], sp)
+    b = eng.generate([list(b"seeded")], sp)
+    assert a == b and len(a[0]) == 20
+    greedy = eng.generate([list(b"stop here")], GREEDY)[0]
+    stop_at = greedy[5]
+    got = eng.generate([list(b"stop here")], SamplingParams(max_tokens=32, stop_token_ids=(stop_at,), ignore_eos=True))[0]
+    assert eng.generate([list(b"stop here")], SamplingParams(max_tokens=32))[0] == greedy[:1]  # 257 is eos
+    assert got == greedy[:greedy.index(stop_at) + 1]
+
+
+def test_preemption_and_rejection_when_the_pool_runs_out(ckpt, reference):
+    small = EngineConfig(dtype="float64", block_size=BLOCK, num_blocks=24, max_batch_tokens=CHUNK)
+    eng = Engine(ckpt, small)
+    outs = eng.generate([list(p) for p in PROMPTS[:6]], GREEDY)  # needs more blocks than 24 at once
+    assert outs == [r[1] for r in reference[:6]] and eng.scheduler.preemptions > 0
+    with pytest.raises(RuntimeError, match="needs more KV blocks than the pool"):
+        eng.generate([[1] * (24 * BLOCK + 1)])
+    assert eng.blocks.free == 24
+
+
+def test_block_manager_refcounts():
+    bm = BlockManager(4)
+    b = bm.allocate(2)
+    bm.retain(b)
+    bm.release(b)
+    assert bm.free == 2
+    bm.release(b)
+    assert bm.free == 4
+    with pytest.raises(ValueError, match="released twice"):
+        bm.release(b)
+    with pytest.raises(MemoryError):
+        bm.allocate(5)
+
+
+def test_partition_errors():
+    assert partition(6, 4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    with pytest.raises(ValueError):
+        partition(6, 2, "2,3")
+    with pytest.raises(ValueError):
+        partition(2, 3)
+
+
+def test_crashed_rank_is_reported_not_waited_on(ckpt):
+    eng = TPEngine(ckpt, cfg(), 2)
+    try:
+        os.kill(eng.ranks.procs[0].pid, signal.SIGKILL)
+        eng.ranks.procs[0].join(10)
+        t0 = time.monotonic()
+        with pytest.raises(RankDied, match="died"):
+            eng.generate([list(b"anyone there?")])
+        assert time.monotonic() - t0 < 10
+    finally:
+        eng.close()
