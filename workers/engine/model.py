@@ -120,11 +120,22 @@ class LlamaStage:
         q = q * c + rotate_half(q) * s_
         k = k * c + rotate_half(k) * s_
         pool.write(li, batch.slots, k, v)
-        outs = []
-        off = 0
         group = self.heads // self.kv_heads
+        outs: list[torch.Tensor | None] = [None] * len(batch.slices)
+        offs, off = [], 0
         for sl in batch.slices:
-            qi = q[off:off + sl.n].transpose(0, 1)                       # [H, n, hd]
+            offs.append(off)
+            off += sl.n
+        decodes = [i for i, sl in enumerate(batch.slices) if sl.n == 1]
+        if len(decodes) > 1:  # one padded attention for every single-token slice
+            done = self._decode_attention(li, q, [offs[i] for i in decodes], [batch.slices[i] for i in decodes],
+                                          pool, group)
+            for i, o in zip(decodes, done):
+                outs[i] = o
+        for i, sl in enumerate(batch.slices):
+            if outs[i] is not None:
+                continue
+            qi = q[offs[i]:offs[i] + sl.n].transpose(0, 1)               # [H, n, hd]
             ctx = sl.start + sl.n
             kc, vc = pool.gather(li, sl.block_table, ctx)                 # [KVH, ctx, hd]
             if group > 1:
@@ -135,7 +146,27 @@ class LlamaStage:
                 qpos = torch.arange(sl.start, ctx, device=h.device)[:, None]
                 mask = torch.arange(ctx, device=h.device)[None, :] <= qpos  # [n, ctx]
                 o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=self.scale)
-            outs.append(o.transpose(0, 1).reshape(sl.n, self.heads * hd))
-            off += sl.n
-        attn = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+            outs[i] = o.transpose(0, 1).reshape(sl.n, self.heads * hd)
+        attn = torch.cat(outs, 0) if len(outs) > 1 else outs[0]  # type: ignore[arg-type]
         return self.all_reduce(F.linear(attn, layer.o))
+
+    def _decode_attention(self, li: int, q: torch.Tensor, rows: list[int], slices: list[SeqSlice], pool: KVPool,
+                          group: int) -> list[torch.Tensor]:
+        """Single-token queries of B sequences against their padded contexts, in one SDPA call."""
+        bs, hd = pool.block_size, self.cfg.head_dim
+        ctx = [sl.start + 1 for sl in slices]
+        nb = max(len(sl.block_table) for sl in slices)
+        table = torch.zeros(len(slices), nb, dtype=torch.long, device=q.device)
+        for b, sl in enumerate(slices):
+            table[b, :len(sl.block_table)] = sl.block_table
+        kv = pool.layers[li][table]                                      # [B, nb, 2, KVH, bs, hd]
+        B = len(slices)
+        k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, self.kv_heads, nb * bs, hd)
+        v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, self.kv_heads, nb * bs, hd)
+        if group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        lens = torch.tensor(ctx, device=q.device)
+        mask = (torch.arange(nb * bs, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [B,1,1,L]
+        qb = q[torch.tensor(rows, device=q.device)].unsqueeze(2)        # [B, H, 1, hd]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale)  # [B, H, 1, hd]
+        return list(o.reshape(B, self.heads * hd).unsqueeze(1).unbind(0))
