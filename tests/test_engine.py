@@ -86,6 +86,7 @@ def test_pp3_uneven_partition(ckpt, reference):
     try:
         assert eng.parts == [(0, 1), (1, 4), (4, 6)]
         check(eng, reference)
+        assert eng.max_inflight > 1  # micro-batches overlapped in the pipeline
     finally:
         eng.close()
 

@@ -127,16 +127,24 @@ class Engine:
         return False
 
     def step(self) -> list[StepOutput]:
-        out: list[StepOutput] = []
-        for seq in self.scheduler.rejected:
-            out.append(StepOutput(seq.id, [], True, "error", seq.error))
-            self.seqs.pop(seq.id, None)
-        self.scheduler.rejected.clear()
+        out = self._rejections()
         work = self.scheduler.schedule()
         if not work:
             return out
         batch, ids = build_batch(work, self.cfg.block_size, self.cfg.device)
-        logits = self._forward(batch, ids)
+        return out + self._apply(work, self._forward(batch, ids))
+
+    def _rejections(self) -> list[StepOutput]:
+        out = []
+        for seq in self.scheduler.rejected:
+            out.append(StepOutput(seq.id, [], True, "error", seq.error))
+            self.seqs.pop(seq.id, None)
+        self.scheduler.rejected.clear()
+        return out
+
+    def _apply(self, work: list[Work], logits: torch.Tensor) -> list[StepOutput]:
+        """Advance the sequences of a finished forward and sample where it was asked for."""
+        out: list[StepOutput] = []
         row = 0
         for w in work:
             w.seq.computed = w.start + w.n

@@ -1,22 +1,27 @@
 """PP stage engine: `pp_size` stage processes, each building only its layers.
 
 Stage 0 (this process) owns the scheduler and the block table; every stage's pool is indexed
-by the same block ids. Per step stage 0 sends the batch metadata to every stage (ZMQ), runs
-its layers and sends the hidden states to stage 1 (gloo); each stage passes them on; the last
-stage sends the logits of the sampled rows back to stage 0, which samples.
-One micro-batch is in flight at a time (see the closing note of the engine issue).
+by the same block ids. Per micro-batch stage 0 sends the batch metadata to every stage (ZMQ),
+runs its layers and sends the hidden states to stage 1 (gloo); each stage passes them on; the
+last stage sends the logits of the rows to sample back to stage 0, which samples (sampling
+stays where the per-request generators live).
+Up to `pp_size` micro-batches are in flight: stage 0 schedules the next one (from sequences
+not already in flight) while later stages work on earlier ones; every stage handles them in
+order, so KV a micro-batch writes is there before a later one reads it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from workers.engine.config import EngineConfig, ModelConfig, Parallel, partition
 from workers.engine.dist import Ranks
-from workers.engine.engine import Engine
-from workers.engine.model import ForwardBatch
+from workers.engine.engine import Engine, StepOutput, build_batch
+from workers.engine.scheduler import Work
 
 
 class PPEngine(Engine):
@@ -27,6 +32,8 @@ class PPEngine(Engine):
         pars = [Parallel(pp_rank=r, pp_size=pp_size, layer_start=a, layer_end=b)
                 for r, (a, b) in enumerate(self.parts)]
         self.pp_size = pp_size
+        self.inflight: deque[tuple[list[Work], int, Any]] = deque()
+        self.max_inflight = 0
         self.ranks = Ranks("pp", checkpoint, cfg, pars) if pp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0])
@@ -34,18 +41,34 @@ class PPEngine(Engine):
             self.close()
             raise
 
-    def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        assert self.model is not None and self.pool is not None
+    def step(self) -> list[StepOutput]:
         if self.ranks is None:
-            return super()._local_forward(batch, input_ids)
+            return super().step()
+        out = self._rejections()
+        # fill the pipeline: up to pp_size micro-batches, none sharing a sequence
+        while len(self.inflight) < self.pp_size:
+            busy = frozenset(w.seq.id for mb, _, _ in self.inflight for w in mb)
+            work = self.scheduler.schedule(busy)
+            if not work:
+                break
+            self.inflight.append(self._launch(work))
+            self.max_inflight = max(self.max_inflight, len(self.inflight))
+        if not self.inflight:
+            return out
+        work, n, send = self.inflight.popleft()
+        logits = torch.empty(n, self.model_cfg.vocab_size, dtype=self.cfg.torch_dtype)
+        self.ranks.group.recv([logits], self.pp_size - 1, 0).wait()
+        send.wait()
+        return out + self._apply(work, logits)
+
+    def _launch(self, work: list[Work]) -> tuple[list[Work], int, Any]:
+        """Stage 0's part of a micro-batch; the hidden states go on to stage 1 without waiting."""
+        assert self.model is not None and self.pool is not None and self.ranks is not None
+        batch, ids = build_batch(work, self.cfg.block_size, self.cfg.device)
         self.ranks.broadcast("forward", batch, None)
-        hidden = self.model.forward(batch, self.pool, input_ids=input_ids).contiguous()
-        g = self.ranks.group
-        g.send([hidden], 1, 0).wait()
-        n = sum(1 for s in batch.slices if s.want_logits)
-        logits = torch.empty(n, self.model_cfg.vocab_size, dtype=hidden.dtype)
-        g.recv([logits], self.pp_size - 1, 0).wait()
-        return logits
+        hidden = self.model.forward(batch, self.pool, input_ids=ids).contiguous()
+        send = self.ranks.group.send([hidden], 1, 0)
+        return work, sum(1 for s in batch.slices if s.want_logits), send
 
     def stage_of(self, layer: int) -> tuple[int, int]:
         """(stage, local layer index) owning a global layer."""

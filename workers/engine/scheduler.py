@@ -112,15 +112,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def schedule(self) -> list[Work]:
+    def schedule(self, busy: frozenset[str] = frozenset()) -> list[Work]:
+        """The next batch; sequences in `busy` (in flight in a pipeline) are left alone."""
         budget = self.max_batch_tokens
         work: list[Work] = []
         # 1) one token for every decoding sequence
         for seq in list(self.running):
-            if seq not in self.running or seq.pending != 1 or budget == 0:
+            if seq not in self.running or seq.pending != 1 or budget == 0 or seq.id in busy:
                 continue
             while not self._grow(seq, seq.computed + 1):
-                victims = [s for s in self.running if s is not seq and s not in {w.seq for w in work}]
+                victims = [s for s in self.running if s is not seq and s not in {w.seq for w in work}
+                           and s.id not in busy]
                 if not victims:
                     break
                 self._preempt(victims[-1])
@@ -130,7 +132,7 @@ class Scheduler:
             work.append(Work(seq, seq.computed, 1, True))
             budget -= 1
         # 2) prompt chunks of running sequences, 3) then of waiting ones
-        for seq in [s for s in self.running if s.pending > 1]:
+        for seq in [s for s in self.running if s.pending > 1 and s.id not in busy]:
             if budget == 0:
                 break
             n = min(seq.pending, budget)
