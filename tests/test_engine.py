@@ -185,3 +185,35 @@ def test_crashed_rank_is_reported_not_waited_on(ckpt):
         assert time.monotonic() - t0 < 10
     finally:
         eng.close()
+
+
+def test_tied_embeddings_match_transformers(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    d = generate(tmp_path / "tied", tiny_config(tie_word_embeddings=True, num_hidden_layers=2), seed=11)
+    m = LlamaForCausalLM.from_pretrained(str(d), dtype=torch.float64, attn_implementation="sdpa").eval()
+    eng = Engine(d, cfg())
+    eng.captured = {}
+    prompt = list(b"tied weights")
+    got = eng.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = m(ids).logits[0, -1]
+        g = m.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       attention_mask=torch.ones_like(ids))
+    assert (eng.captured["gen-0"] - ref).abs().max().item() < 1e-9
+    assert got == g[0, len(prompt):].tolist()
+
+
+def test_tokenizers(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from workers.engine import tokenizer as tok
+
+    byte = tok.load(tmp_path, 256, 257)
+    assert byte.encode("hé") == [104, 195, 169] and byte.decode([104, 195, 169, 257]) == "hé"
+    t = Tokenizer(models.WordLevel({"hello": 0, "mesh": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "tokenizer.json"))
+    hf = tok.load(tmp_path, None, 2)
+    assert hf.encode("hello mesh") == [0, 1] and hf.decode([0, 1]) == "hello mesh"
