@@ -52,7 +52,7 @@ class Held:
 
 
 class TransferHolder:
-    def __init__(self, pool: BlockPool, ttl_s: float = 120.0,
+    def __init__(self, pool: BlockPool | None, ttl_s: float = 120.0,
                  on_free: Callable[[Held, str], None] | None = None, remember: int = 4096) -> None:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be > 0")
@@ -119,7 +119,8 @@ class TransferHolder:
 
     def _free(self, h: Held, path: str) -> None:
         del self._held[h.transfer_id]
-        self.pool.release(h.blocks)
+        if self.pool is not None:   # None: the engine owns the blocks (`on_free` gives them back)
+            self.pool.release(h.blocks)
         self.freed_by[path] += 1
         self.seq += 1
         self.recent.append(FreedTransfer(transfer_id=h.transfer_id, path=path, request_id=h.request_id,

@@ -102,7 +102,7 @@ class _Dealers:
 class StageChannel:
     """The producer side of one prefill stage: serves write_request and (stage 0) release."""
 
-    def __init__(self, *, host: str, port: int, pp_rank: int, holder: Holder, writer: Writer,
+    def __init__(self, *, host: str, port: int, pp_rank: int, holder: Holder | None, writer: Writer,
                  write_done_repeats: int = 3, faults: ChannelFaults = ChannelFaults()) -> None:
         if write_done_repeats < 1:
             raise ValueError("write_done_repeats must be >= 1")
@@ -153,14 +153,15 @@ class StageChannel:
                 t.add_done_callback(self._tasks.discard)
             elif isinstance(msg, Release):
                 self.stats.releases_received += 1
-                if not self._holder.release_rank(msg.transfer_id, msg.tp_rank):
+                if self._holder is None or not self._holder.release_rank(msg.transfer_id, msg.tp_rank):
                     self.stats.duplicate_releases += 1
             else:
                 self.stats.bad_frames += 1
 
     async def _write(self, req: WriteRequest) -> None:
-        held = self._holder.blocks_of(req.transfer_id)
-        if held is not None and self.pp_rank == 0:
+        # stage 0 holds the transfer; later stages trust stage 0's block ids (holder None)
+        held = self._holder.blocks_of(req.transfer_id) if self._holder is not None else req.src_block_ids
+        if held is not None and self._holder is not None:
             self._holder.expect_consumers(req.transfer_id, len(req.ranks))
         for rank in req.ranks:
             ok, error = True, ""

@@ -1,0 +1,220 @@
+"""KV transports: one batched write of many (src, dst, length) ranges into a peer's registered memory.
+
+`MooncakeTransport` uses Mooncake Transfer Engine (TCP with P2PHANDSHAKE here; RDMA and GPU
+memory through the same calls where the hardware exists); every return code is checked and
+`MC_TCP_PROGRESS_TIMEOUT_SEC` is set so a frozen peer fails fast. `ZmqTransport` ships the
+bytes to a receiver thread in the peer process, which checks every range against its registered
+regions before copying. A process creates one transport, registers its KV pools, and tells peers
+its `segment` (how to reach it) and the regions' base addresses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgpack
+import torch
+import zmq
+
+from mesh.errors import KVTransferError
+
+log = logging.getLogger(__name__)
+BACKENDS = ("mooncake", "zmq")
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    addr: int
+    length: int
+
+
+class Transport(Protocol):
+    name: str
+
+    @property
+    def segment(self) -> str: ...
+
+    def register(self, tensors: list[torch.Tensor]) -> list[int]: ...
+
+    def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MooncakeTransport:
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", progress_timeout_s: int = 5) -> None:
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s))
+        from mooncake.engine import TransferEngine
+
+        self._te = TransferEngine()
+        rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise KVTransferError(f"mooncake initialize({host}, P2PHANDSHAKE, {protocol}) returned {rc}")
+        self._segment = f"{host}:{self._te.get_rpc_port()}"
+        self._regions: list[Region] = []
+
+    @property
+    def segment(self) -> str:
+        return self._segment
+
+    def register(self, tensors: list[torch.Tensor]) -> list[int]:
+        out = []
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError("only contiguous tensors can be registered")
+            addr, n = t.data_ptr(), t.numel() * t.element_size()
+            rc = self._te.register_memory(addr, n)
+            if rc != 0:
+                raise KVTransferError(f"mooncake register_memory({addr:#x}, {n}) returned {rc}")
+            self._regions.append(Region(addr, n))
+            out.append(addr)
+        return out
+
+    def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        if not src:
+            return
+        rc = self._te.batch_transfer_sync_write(segment, src, dst, lengths)
+        if rc != 0:
+            raise KVTransferError(f"mooncake batch write of {len(src)} ranges to {segment} returned {rc}")
+
+    def close(self) -> None:
+        for r in self._regions:
+            self._te.unregister_memory(r.addr)
+        self._regions.clear()
+
+
+class ZmqTransport:
+    """Bytes over ZMQ to the peer's receiver thread, which copies them into its registered regions."""
+
+    name = "zmq"
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+        self._ctx = zmq.Context()
+        self._regions: list[Region] = []
+        self._lock = threading.Lock()
+        self._timeout_ms = int(timeout_s * 1000)
+        self._recv = self._ctx.socket(zmq.ROUTER)
+        self._recv.setsockopt(zmq.LINGER, 0)
+        port = self._recv.bind_to_random_port(f"tcp://{host}")
+        self._segment = f"tcp://{host}:{port}"
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="kv-zmq-receiver", daemon=True)
+        self._thread.start()
+        self._out: dict[str, zmq.Socket] = {}
+        self._out_lock = threading.Lock()
+
+    @property
+    def segment(self) -> str:
+        return self._segment
+
+    def register(self, tensors: list[torch.Tensor]) -> list[int]:
+        out = []
+        with self._lock:
+            for t in tensors:
+                if not t.is_contiguous():
+                    raise ValueError("only contiguous tensors can be registered")
+                self._regions.append(Region(t.data_ptr(), t.numel() * t.element_size()))
+                out.append(t.data_ptr())
+        return out
+
+    def _inside(self, addr: int, n: int) -> bool:
+        return any(r.addr <= addr and addr + n <= r.addr + r.length for r in self._regions)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._recv, zmq.POLLIN)
+        while not self._stop:
+            if not poller.poll(200):
+                continue
+            ident, head, payload = self._recv.recv_multipart(copy=False)
+            dst, lengths = msgpack.unpackb(head.bytes)
+            buf = payload.buffer
+            err = ""
+            with self._lock:
+                bad = [(d, n) for d, n in zip(dst, lengths) if not self._inside(d, n)]
+                if bad or sum(lengths) != len(buf):
+                    err = f"{len(bad)} range(s) outside the registered regions" if bad else "payload size mismatch"
+                else:
+                    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+                    off = 0
+                    for d, n in zip(dst, lengths):
+                        ctypes.memmove(d, base + off, n)
+                        off += n
+            self._recv.send_multipart([ident.bytes, err.encode()])
+
+    def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        if not src:
+            return
+        payload = b"".join(ctypes.string_at(s, n) for s, n in zip(src, lengths))
+        with self._out_lock:
+            sock = self._out.get(segment)
+            if sock is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(segment)
+                self._out[segment] = sock
+            sock.send_multipart([msgpack.packb([dst, lengths]), payload], copy=False)
+            if not sock.poll(self._timeout_ms):
+                sock.close(0)
+                del self._out[segment]
+                raise KVTransferError(f"zmq KV write to {segment}: no answer within {self._timeout_ms} ms")
+            err = sock.recv().decode()
+        if err:
+            raise KVTransferError(f"zmq KV write to {segment} refused: {err}")
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        for s in self._out.values():
+            s.close(0)
+        self._recv.close(0)
+        self._ctx.term()
+
+
+def create(backend: str, host: str = "127.0.0.1") -> Transport:
+    if backend == "mooncake":
+        return MooncakeTransport(host)
+    if backend == "zmq":
+        return ZmqTransport(host)
+    raise ValueError(f"kv backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How KV blocks sit in a pool tensor `[num_blocks, 2, kv_heads, block_size, head_dim]`."""
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    elem: int
+
+    def head_span(self) -> int:
+        return self.block_size * self.head_dim * self.elem
+
+    def offset(self, block: int, kv: int, head: int) -> int:
+        return ((block * 2 + kv) * self.kv_heads + head) * self.head_span()
+
+
+def copy_plan(src_bases: list[int], src: Layout, dst_bases: list[int], dst: Layout, head_start: int,
+              head_end: int, src_blocks: list[int], dst_blocks: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Ranges that move this stage's layers (sliced to heads [head_start, head_end)) into a consumer
+    rank's blocks. `src_bases[i]` and `dst_bases[i]` are the same layer's pool in both processes."""
+    if src.block_size != dst.block_size or src.head_dim != dst.head_dim or src.elem != dst.elem:
+        raise KVTransferError(f"KV layouts differ: producer {src}, consumer {dst}")
+    if head_end - head_start != dst.kv_heads or head_end > src.kv_heads:
+        raise KVTransferError(f"head range [{head_start}, {head_end}) does not fit {src.kv_heads} -> {dst.kv_heads}")
+    n = (head_end - head_start) * src.head_span()
+    s_out, d_out, l_out = [], [], []
+    for sb_base, db_base in zip(src_bases, dst_bases):
+        for sb, db in zip(src_blocks, dst_blocks):
+            for kv in (0, 1):
+                s_out.append(sb_base + src.offset(sb, kv, head_start))
+                d_out.append(db_base + dst.offset(db, kv, 0))
+                l_out.append(n)
+    return s_out, d_out, l_out
