@@ -205,6 +205,32 @@ def cmd_workers(a: argparse.Namespace) -> None:
     print(render(rows))
 
 
+# -- real workers -------------------------------------------------------------------------
+
+def cmd_worker(a: argparse.Namespace) -> None:
+    from workers.launch import serve_worker
+
+    etcd = etcd_config(a) if a.etcd else None
+    _run(lambda stop: serve_worker(a.cmd, a, stop, etcd))
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="folder with config.json and *.safetensors")
+    p.add_argument("--model", help="served model name (default: the checkpoint folder's name)")
+    p.add_argument("--id", help="worker id in the registry")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL")
+    add_etcd_options(p)
+    p.set_defaults(func=cmd_worker)
+
+
 # -- demo (what `make run` starts) ----------------------------------------------------------
 
 DEMO_TEXT = """
@@ -307,6 +333,16 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--health-interval", type=float, default=2.0)
     r.add_argument("--drain-deadline", type=float, default=60.0)
     r.set_defaults(func=cmd_register)
+
+    pf = sub.add_parser("prefill", help="a prefill pipeline on the reference engine (PP stage processes)")
+    add_worker_options(pf)
+    pf.add_argument("--pp-size", type=int, default=1)
+    pf.add_argument("--partition", help="layers per stage, e.g. 18,20,20,20 (default: even)")
+    pf.add_argument("--kv-ttl", type=float, default=120.0, help="seconds a transfer is held without release")
+
+    dc = sub.add_parser("decode", help="a decode engine on the reference engine (TP rank processes)")
+    add_worker_options(dc)
+    dc.add_argument("--tp-size", type=int, default=1)
 
     w = sub.add_parser("workers", help="table of the fleet, from etcd or from a mesh")
     add_etcd_options(w)

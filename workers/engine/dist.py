@@ -66,6 +66,8 @@ class RankSpec:
     world: int
     store_port: int
     ctrl_port: int
+    kv_backend: str | None = None     # set: register the pools, serve KV (pp stages) and report how
+    kv_host: str = "127.0.0.1"
 
 
 def _rank_main(spec: RankSpec, ready: Any) -> None:
@@ -84,7 +86,20 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
     except Exception:  # noqa: BLE001 - reported to the parent, which fails clearly
         ready.put(("error", traceback.format_exc()))
         return
-    ready.put(("ready", spec.rank))
+    info: dict[str, Any] = {}
+    if spec.kv_backend:
+        try:
+            from workers.kv.stage import register_pool, start_stage_thread
+
+            ep = register_pool(pool, spec.kv_backend, spec.kv_host)
+            info = {"segment": ep.transport.segment, "regions": ep.regions}
+            if spec.kind == "pp":
+                info["kv_port"] = start_stage_thread(ep, spec.kv_host, spec.par.pp_rank, spec.par.layer_start,
+                                                     spec.par.layer_end)
+        except Exception:  # noqa: BLE001 - reported to the parent
+            ready.put(("error", traceback.format_exc()))
+            return
+    ready.put(("ready", spec.rank, info))
     dtype = spec.engine.torch_dtype
     while True:
         cmd, *args = pickle.loads(sock.recv())
@@ -115,7 +130,7 @@ class Ranks:
     """Rank 0's side: spawns ranks 1..world-1, holds rank 0's group and their control sockets."""
 
     def __init__(self, kind: str, checkpoint: str | Path, engine: EngineConfig, pars: list[Parallel],
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, kv_backend: str | None = None, kv_host: str = "127.0.0.1") -> None:
         self.kind = kind
         self.world = len(pars)
         store_port = free_port()
@@ -129,21 +144,24 @@ class Ranks:
             s.setsockopt(zmq.LINGER, 0)
             port = s.bind_to_random_port("tcp://127.0.0.1")
             self.socks.append(s)
-            spec = RankSpec(kind, str(checkpoint), engine, pars[r], r, self.world, store_port, port)
+            spec = RankSpec(kind, str(checkpoint), engine, pars[r], r, self.world, store_port, port,
+                            kv_backend, kv_host)
             p = mpctx.Process(target=_rank_main, args=(spec, self._ready), name=f"atomesh-{kind}-rank{r}",
                               daemon=True)
             p.start()
             self.procs.append(p)
         self.group = make_group(0, self.world, store_port)
+        self.infos: dict[int, dict[str, Any]] = {}
         for _ in range(1, self.world):
             try:
-                status, info = self._ready.get(timeout=start_timeout)
+                status, *info = self._ready.get(timeout=start_timeout)
             except Exception:  # noqa: BLE001 - queue.Empty
                 self.close()
                 raise RankDied(f"a {kind} rank did not start within {start_timeout}s") from None
             if status != "ready":
                 self.close()
-                raise RankDied(f"a {kind} rank failed to start:\n{info}")
+                raise RankDied(f"a {kind} rank failed to start:\n{info[0]}")
+            self.infos[info[0]] = info[1]
 
     def check(self) -> None:
         for p in self.procs:

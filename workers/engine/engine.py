@@ -91,12 +91,14 @@ class Engine:
         return seq
 
     def add_from_kv(self, seq_id: str, prompt: list[int], first_token: int, block_ids: list[int],
-                    params: SamplingParams = SamplingParams()) -> Sequence:
-        """Continue a sequence whose prompt KV already sits in `block_ids` (PD decode)."""
+                    params: SamplingParams = SamplingParams(), allocated: bool = False) -> Sequence:
+        """Continue a sequence whose prompt KV already sits in `block_ids` (PD decode); `allocated`:
+        the caller allocated those blocks already (to receive the KV into them)."""
         need = -(-len(prompt) // self.cfg.block_size)
         if len(block_ids) != need:
             raise ValueError(f"{len(prompt)} prompt tokens need {need} blocks, got {len(block_ids)}")
-        self.blocks.take(list(block_ids))
+        if not allocated:
+            self.blocks.take(list(block_ids))
         seq = Sequence(seq_id, list(prompt), params, output=[first_token], blocks=list(block_ids),
                        computed=len(prompt))
         self.seqs[seq_id] = seq

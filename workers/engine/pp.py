@@ -26,7 +26,7 @@ from workers.engine.scheduler import Work
 
 class PPEngine(Engine):
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig, pp_size: int,
-                 layer_partition: str | None = None) -> None:
+                 layer_partition: str | None = None, kv_backend: str | None = None, kv_host: str = "127.0.0.1") -> None:
         mc = ModelConfig.load(checkpoint)
         self.parts = partition(mc.num_hidden_layers, pp_size, layer_partition)
         pars = [Parallel(pp_rank=r, pp_size=pp_size, layer_start=a, layer_end=b)
@@ -34,7 +34,7 @@ class PPEngine(Engine):
         self.pp_size = pp_size
         self.inflight: deque[tuple[list[Work], int, Any]] = deque()
         self.max_inflight = 0
-        self.ranks = Ranks("pp", checkpoint, cfg, pars) if pp_size > 1 else None
+        self.ranks = Ranks("pp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host) if pp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0])
         except BaseException:

@@ -230,7 +230,8 @@ class ConsumerChannel:
             self._router.close(0)
 
     async def pull(self, params: KVHandoffParams, ranks: tuple[ConsumerRank, ...],
-                   dst_block_ids: tuple[int, ...], *, request_id: str, deadline_s: float) -> None:
+                   dst_block_ids: tuple[int, ...], *, request_id: str, deadline_s: float,
+                   extra: dict[str, object] | None = None) -> None:
         """Ask every stage to write; return once every (pp_rank, tp_rank) reported ok."""
         if params.transfer_id in self._pending:
             raise KVTransferError(f"transfer {params.transfer_id} is already being received")
@@ -244,7 +245,7 @@ class ConsumerChannel:
         req = WriteRequest(request_id=request_id, transfer_id=params.transfer_id,
                            src_block_ids=params.remote_block_ids, dst_block_ids=dst_block_ids,
                            ranks=ranks, notify_host=self.host, notify_port=self.port,
-                           write_nonce=nonce)
+                           write_nonce=nonce, extra=extra or {})
         frame = encode_frame(req)
         try:
             for st in stages:

@@ -1,0 +1,72 @@
+"""KV service of one engine process: its pools registered with a transport, and (prefill stages)
+the side-channel server that writes its layers into consumer ranks on `write_request`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mesh.protocol import ConsumerRank, WriteRequest
+from workers.engine.kv_cache import KVPool
+from workers.kv.sidechannel import Holder, StageChannel
+from workers.kv.transport import Layout, Transport, copy_plan, create
+
+
+def pool_layout(pool: KVPool) -> Layout:
+    t = pool.layers[0]
+    return Layout(kv_heads=t.shape[2], block_size=t.shape[3], head_dim=t.shape[4], elem=t.element_size())
+
+
+def layout_extra(pool: KVPool) -> dict[str, int]:
+    lay = pool_layout(pool)
+    return {"block_size": lay.block_size, "head_dim": lay.head_dim, "elem": lay.elem}
+
+
+@dataclass(slots=True)
+class KVEndpoint:
+    """What peers need to reach this process's pools."""
+    transport: Transport
+    regions: list[int]          # base address of each local layer's pool
+    layout: Layout
+
+
+def register_pool(pool: KVPool, backend: str, host: str) -> KVEndpoint:
+    t = create(backend, host)
+    return KVEndpoint(t, t.register(pool.layers), pool_layout(pool))
+
+
+def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int) -> Any:
+    """The stage's writer: its layers, sliced to each consumer rank's heads, in one batched write."""
+    async def write(req: WriteRequest, rank: ConsumerRank) -> None:
+        lay = req.extra.get("layout") or {}
+        dst = Layout(kv_heads=rank.head_end - rank.head_start, block_size=int(lay.get("block_size", 0)),
+                     head_dim=int(lay.get("head_dim", 0)), elem=int(lay.get("elem", 0)))
+        if len(rank.region_addrs) < layer_end:
+            raise ValueError(f"consumer rank {rank.tp_rank} lists {len(rank.region_addrs)} layers; "
+                             f"this stage needs up to layer {layer_end}")
+        plan = copy_plan(ep.regions, ep.layout, list(rank.region_addrs[layer_start:layer_end]), dst,
+                         rank.head_start, rank.head_end, list(req.src_block_ids), list(req.dst_block_ids))
+        await asyncio.to_thread(ep.transport.write, rank.segment, *plan)
+    return write
+
+
+def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int, layer_end: int,
+                       holder: Holder | None = None) -> int:
+    """Run a stage's side-channel server on its own thread and loop; returns its kv port."""
+    ready: list[int] = []
+    ev = threading.Event()
+
+    async def serve() -> None:
+        ch = StageChannel(host=host, port=0, pp_rank=pp_rank, holder=holder,
+                          writer=make_writer(ep, layer_start, layer_end))
+        await ch.start()
+        ready.append(ch.port)
+        ev.set()
+        await asyncio.Event().wait()
+
+    threading.Thread(target=lambda: asyncio.run(serve()), name=f"kv-stage-{pp_rank}", daemon=True).start()
+    if not ev.wait(30):
+        raise RuntimeError("stage side channel did not start")
+    return ready[0]

@@ -1,0 +1,88 @@
+"""`mesh prefill` and `mesh decode`: build the engine, serve the adapter, enroll in etcd, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from mesh.etcd import EtcdConfig
+from mesh.protocol import DecodeRecord, PrefillRecord, RankRecord, StageRecord
+from workers.engine.config import EngineConfig
+from workers.register import EnrollConfig, Enrollment
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(a: Any) -> EngineConfig:
+    return EngineConfig(block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                        max_batch_tokens=a.max_batch_tokens, dtype=a.dtype)
+
+
+async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:
+    model = a.model or Path(a.checkpoint).name
+    cfg = engine_config(a)
+    if role == "prefill":
+        from workers.engine.pp import PPEngine
+        from workers.prefill import PrefillServer
+
+        engine: Any = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host)
+        wid = a.id or f"prefill-{a.host}-{a.port}"
+        server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl)
+    else:
+        from workers.decode import DecodeServer
+        from workers.engine.tp import TPEngine
+
+        engine = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host)
+        wid = a.id or f"decode-{a.host}-{a.port}"
+        server = DecodeServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, a.host, a.port, reuse_address=True)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://{a.host}:{port}"
+    if not a.id:
+        wid = server.id = f"{role}-{a.host}-{port}"
+    enrollment = None
+    if etcd is not None:
+        if role == "prefill":
+            stages = tuple(StageRecord(pp_rank=s.pp_rank, host=s.host, kv_port=s.port, layers=s.layers)
+                           for s in server.stage_addrs())
+            record: Any = PrefillRecord(id=wid, model=model, url=url, pp_size=a.pp_size, block_size=cfg.block_size,
+                                        num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, stages=stages)
+        else:
+            stages = ()
+            record = DecodeRecord(id=wid, model=model, url=url, tp_size=a.tp_size, block_size=cfg.block_size,
+                                  num_blocks=cfg.num_blocks, kv_backend=a.kv_backend,
+                                  ranks=tuple(RankRecord(tp_rank=r.tp_rank, host=a.host, segment=r.segment)
+                                              for r in server.ranks()))
+        enrollment = Enrollment(etcd=etcd, record=record, stages=stages, cfg=EnrollConfig(ttl=a.ttl))
+        await enrollment.start()
+    print(f"{role} {url}", flush=True)
+    print("ready", flush=True)
+    watch = asyncio.create_task(_watch_ranks(engine, server, enrollment))
+    try:
+        await stop.wait()
+        if enrollment is not None:
+            await enrollment.drain()
+    finally:
+        watch.cancel()
+        await runner.cleanup()
+
+
+async def _watch_ranks(engine: Any, server: Any, enrollment: Enrollment | None) -> None:
+    """A stage or rank process that dies takes the worker out: health 503, liveness withdrawn."""
+    while True:
+        await asyncio.sleep(0.5)
+        ranks = getattr(engine, "ranks", None)
+        dead = [p for p in (ranks.procs if ranks else []) if not p.is_alive()]
+        if dead and not server.failed:
+            server.failed = f"{dead[0].name} died with exit code {dead[0].exitcode}"
+            log.error("%s: withdrawing this worker", server.failed)
+            if enrollment is not None:
+                for g in enrollment.keeper.groups.values():
+                    await enrollment.keeper.withdraw(g)
