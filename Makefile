@@ -22,21 +22,22 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 
-# Runtime: the gateway, the mock fleet and the CLI.
+# Runtime: the gateway, the CLI and the reference engine the demo's workers run
+# (torch pinned first: a bare `torch` would pull a multi-GB CUDA build).
 $(VENV)/.stamp-run: pyproject.toml | $(BIN)/python
-	$(PIP) -e .
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[engine]'
 	touch $@
 
 # Tests: runtime, the engine (torch pinned first: a bare `torch` would pull a multi-GB CUDA
 # build; 2.13.0 resolves to the CPU build these machines carry) and the test tools.
 $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-run
-	$(PIP) torch==2.13.0
 	$(PIP) -e '.[engine,test,bench]'
 	touch $@
 
 venv: $(VENV)/.stamp-test
 
-run: $(VENV)/.stamp-run
+run: sysdeps $(VENV)/.stamp-run
 	$(BIN)/mesh demo
 
 test: sysdeps $(VENV)/.stamp-test

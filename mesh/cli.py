@@ -234,35 +234,110 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
 # -- demo (what `make run` starts) ----------------------------------------------------------
 
 DEMO_TEXT = """
-Atomesh is up: a PD mesh on http://{host}:{port} over a mock fleet (1 prefill pipeline with
-2 stages, 1 decode engine with 2 ranks, real KV side channel over ZMQ). Try:
+Atomesh is up: a PD mesh on http://{host}:{port} in front of real workers on a small generated
+Llama checkpoint ({registry}): one prefill pipeline of 2 stage processes and one decode engine of
+2 tensor-parallel ranks, KV moved with {kv}. (Random weights: the text is noise, the plumbing is real.)
+Try:
 
   curl -s http://{host}:{port}/v1/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "mock-model", "prompt": "Hello, mesh", "max_tokens": 8}}'
+       -d '{{"model": "tiny-llama", "prompt": "Hello, mesh", "max_tokens": 8}}'
 
-  python -c "import openai; c = openai.OpenAI(base_url='http://{host}:{port}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='mock-model', max_tokens=8, \\
-messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
+  .venv/bin/python -c "import openai; c = openai.OpenAI(base_url='http://{host}:{port}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='tiny-llama', max_tokens=8, \\
+messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message)"
 
-Also: /v1/models  /workers  /ready  /metrics   (Ctrl-C stops everything)
+Also: /v1/models  /workers  /kv/ledger  /ready  /metrics   (Ctrl-C stops everything)
 """
 
 
+def _child(args: list[str], until: str, timeout: float = 180) -> tuple[Any, str]:
+    """Start a worker process and wait for its `until` line; returns (process, that line)."""
+    import subprocess
+    import time
+
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = p.stdout.readline()
+        if not line:
+            raise ConfigError(f"{' '.join(args[:2])} exited with {p.wait()}")
+        if line.startswith(until):
+            return p, line.strip()
+    p.terminate()
+    raise ConfigError(f"{' '.join(args[:2])} did not start within {timeout:.0f}s")
+
+
 def cmd_demo(a: argparse.Namespace) -> None:
-    from workers.mock import FleetSpec, MockFleet, MockTiming
+    import shutil
+    import tempfile
+    from pathlib import Path
 
-    async def main(stop: asyncio.Event) -> None:
-        fleet = MockFleet(FleetSpec(prefill=1, decode=1, pp_size=2, tp_size=2, host=a.host,
-                                    timing=MockTiming(prefill_ms_per_token=0.01, decode_ms_per_token=5)))
-        await fleet.start()
-        try:
-            pre, dec = fleet.mesh_workers()
-            cfg = MeshConfig(host=a.host, port=a.port, prefill=pre, decode=dec)
-            await _serve(cfg, stop, announce=DEMO_TEXT)
-        finally:
-            await fleet.close()
+    from workers.engine.checkpoint import generate, tiny_config
 
-    _run(main)
+    run = Path(a.dir)
+    ckpt = run / "tiny-llama"
+    if not (ckpt / "config.json").exists():
+        print(f"generating a small checkpoint in {ckpt} ...", flush=True)
+        generate(ckpt, tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=4), seed=0)
+    try:
+        import mooncake.engine  # noqa: F401
+        kv = "mooncake"
+    except ImportError:
+        kv = "zmq"
+    children: list[Any] = []
+    etcd_url = None
+    try:
+        etcd_bin = shutil.which("etcd")
+        if etcd_bin:
+            import socket
+            import subprocess
+
+            def free() -> int:
+                with socket.socket() as so:
+                    so.bind(("127.0.0.1", 0))
+                    return so.getsockname()[1]
+
+            cport, pport = free(), free()
+            data = tempfile.mkdtemp(prefix="etcd-", dir=run)
+            etcd_url = f"http://127.0.0.1:{cport}"
+            peer = f"http://127.0.0.1:{pport}"
+            children.append(subprocess.Popen(
+                [etcd_bin, "--name", "demo", "--data-dir", data, "--listen-client-urls", etcd_url,
+                 "--advertise-client-urls", etcd_url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
+                 peer, "--initial-cluster", f"demo={peer}", "--log-level", "error"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        me = [sys.executable, "-m", "mesh.cli", "--log-level", "WARNING"]
+        common = ["--checkpoint", str(ckpt), "--model", "tiny-llama", "--kv-backend", kv, "--host", a.host]
+        if etcd_url:
+            common += ["--etcd", etcd_url]
+        print("starting a PP=2 prefill pipeline and a TP=2 decode engine ...", flush=True)
+        p, pline = _child([*me, "prefill", *common, "--pp-size", "2"], "prefill ")
+        children.append(p)
+        d, dline = _child([*me, "decode", *common, "--tp-size", "2"], "decode ")
+        children.append(d)
+        if etcd_url:
+            cfg = MeshConfig(host=a.host, port=a.port, etcd=EtcdConfig.from_url(etcd_url))
+            registry = f"registered in etcd at {etcd_url}"
+        else:
+            from mesh.config import make_worker
+
+            cfg = MeshConfig(host=a.host, port=a.port,
+                             prefill=(make_worker("prefill", {"url": pline.split()[1], "model": "tiny-llama"}, 0),),
+                             decode=(make_worker("decode", {"url": dline.split()[1], "model": "tiny-llama",
+                                                            "tp_size": 2}, 0),))
+            registry = "static registry: no etcd binary found"
+        text = DEMO_TEXT.replace("{registry}", registry).replace("{kv}", kv)
+        _run(lambda stop: _serve(cfg, stop, announce=text))
+    finally:
+        for c in children[::-1]:
+            if c.poll() is None:
+                c.terminate()
+        for c in children[::-1]:
+            try:
+                c.wait(15)
+            except Exception:  # noqa: BLE001 - last resort for a child that ignores SIGTERM
+                c.kill()
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -350,9 +425,10 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--admin-token", default=os.environ.get("ATOMESH_ADMIN_TOKEN"))
     w.set_defaults(func=cmd_workers)
 
-    d = sub.add_parser("demo", help="a mesh over a local fleet, with a curl line to try (make run)")
+    d = sub.add_parser("demo", help="a mesh over real local workers, with a curl line to try (make run)")
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--dir", default=".run", help="where the checkpoint and etcd data live")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -51,6 +51,7 @@ class MooncakeTransport:
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", progress_timeout_s: int = 5) -> None:
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s))
+        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
         from mooncake.engine import TransferEngine
 
         self._te = TransferEngine()
