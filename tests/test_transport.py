@@ -36,7 +36,7 @@ def test_relayout_write_between_processes(backend):
         src_bases = prod.register(src)
         # this consumer rank holds heads [2, 4) of 4; blocks 1, 5 -> its blocks 0, 3
         plan = copy_plan(src_bases, Layout(KVH, BS, HD, 8), dst_bases, Layout(2, BS, HD, 8), 2, 4, [1, 5], [0, 3])
-        assert len(plan[0]) == 2 * 2 * 2  # layers x blocks x (k, v)
+        assert len(plan[0]) == 2 * 2 * 2  # layers x blocks x (k, v): a head slice is never contiguous
         prod.write(segment, *plan)
         q_in.put("read")
         got = q_out.get(timeout=30)
@@ -58,3 +58,10 @@ def test_relayout_write_between_processes(backend):
 def test_layout_mismatch_is_refused():
     with pytest.raises(KVTransferError, match="layouts differ"):
         copy_plan([0], Layout(4, 16, 8, 4), [0], Layout(4, 8, 8, 4), 0, 4, [0], [0])
+
+
+def test_contiguous_ranges_are_merged():
+    lay = Layout(4, 4, 8, 8)
+    s, d, n = copy_plan([0, 10 ** 6], lay, [0, 10 ** 7], lay, 0, 4, [3, 4, 5, 9], [0, 1, 2, 7])
+    # full heads: k and v of a block are adjacent, and blocks 3-5 -> 0-2 are consecutive on both sides
+    assert len(s) == 2 * 2 and sum(n) == 2 * 4 * 2 * 4 * 4 * 8 * 8

@@ -78,12 +78,14 @@ class MooncakeTransport:
             out.append(addr)
         return out
 
+    MAX_BATCH = 1024   # ranges per Mooncake batch; larger batches are refused (seen: 4096 -> -1)
+
     def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        if not src:
-            return
-        rc = self._te.batch_transfer_sync_write(segment, src, dst, lengths)
-        if rc != 0:
-            raise KVTransferError(f"mooncake batch write of {len(src)} ranges to {segment} returned {rc}")
+        for i in range(0, len(src), self.MAX_BATCH):
+            j = i + self.MAX_BATCH
+            rc = self._te.batch_transfer_sync_write(segment, src[i:j], dst[i:j], lengths[i:j])
+            if rc != 0:
+                raise KVTransferError(f"mooncake batch write of {len(src[i:j])} ranges to {segment} returned {rc}")
 
     def close(self) -> None:
         for r in self._regions:
@@ -211,11 +213,17 @@ def copy_plan(src_bases: list[int], src: Layout, dst_bases: list[int], dst: Layo
     if head_end - head_start != dst.kv_heads or head_end > src.kv_heads:
         raise KVTransferError(f"head range [{head_start}, {head_end}) does not fit {src.kv_heads} -> {dst.kv_heads}")
     n = (head_end - head_start) * src.head_span()
-    s_out, d_out, l_out = [], [], []
+    s_out: list[int] = []
+    d_out: list[int] = []
+    l_out: list[int] = []
     for sb_base, db_base in zip(src_bases, dst_bases):
         for sb, db in zip(src_blocks, dst_blocks):
             for kv in (0, 1):
-                s_out.append(sb_base + src.offset(sb, kv, head_start))
-                d_out.append(db_base + dst.offset(db, kv, 0))
-                l_out.append(n)
+                s, d = sb_base + src.offset(sb, kv, head_start), db_base + dst.offset(db, kv, 0)
+                if l_out and s_out[-1] + l_out[-1] == s and d_out[-1] + l_out[-1] == d:
+                    l_out[-1] += n          # contiguous on both sides: one range
+                else:
+                    s_out.append(s)
+                    d_out.append(d)
+                    l_out.append(n)
     return s_out, d_out, l_out

@@ -1,0 +1,98 @@
+"""KV hand-off bandwidth per transport for 1, 16 and 256 blocks, against a local memcpy of the
+same byte ranges, side by side in one run.
+
+    .venv/bin/python bench/kv.py [--layers 8] [--kv-heads 8] [--head-dim 128] [--block-size 16]
+
+A consumer process registers a KV pool; this process registers its own and moves n blocks of
+every layer (full heads, the PP x TP1 case; the ranges are what `copy_plan` makes) with one
+batched write. Results also go to bench/results/kv-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from workers.kv.transport import Layout, copy_plan, create  # noqa: E402
+
+NUM_BLOCKS = 320
+
+
+def consumer(backend: str, shape: tuple[int, ...], layers: int, q_out, q_in) -> None:  # type: ignore[no-untyped-def]
+    t = create(backend)
+    pools = [torch.zeros(*shape, dtype=torch.float16) for _ in range(layers)]
+    q_out.put((t.segment, t.register(pools)))
+    q_in.get()
+    t.close()
+
+
+def timed(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    xs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t0)
+    return statistics.median(xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--backends", default="mooncake,zmq")
+    a = ap.parse_args()
+    shape = (NUM_BLOCKS, 2, a.kv_heads, a.block_size, a.head_dim)
+    lay = Layout(a.kv_heads, a.block_size, a.head_dim, 2)
+    src = [torch.randn(*shape).to(torch.float16) for _ in range(a.layers)]
+    local_dst = [torch.zeros(*shape, dtype=torch.float16) for _ in range(a.layers)]
+    rows = []
+    ctx = mp.get_context("spawn")
+    for backend in a.backends.split(","):
+        q_out, q_in = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=consumer, args=(backend, shape, a.layers, q_out, q_in), name=f"kv-bench-{backend}")
+        p.start()
+        prod = create(backend)
+        try:
+            segment, dst_bases = q_out.get(timeout=60)
+            src_bases = prod.register(src)
+            for n in (1, 16, 256):
+                blocks = list(range(n))
+                plan = copy_plan(src_bases, lay, dst_bases, lay, 0, a.kv_heads, blocks, blocks)
+                nbytes = sum(plan[2])
+                reps = 20 if n < 256 else 5
+                t_net = timed(lambda: prod.write(segment, *plan), reps)
+                lplan = copy_plan(src_bases, lay, [t.data_ptr() for t in local_dst], lay, 0, a.kv_heads, blocks, blocks)
+                t_mem = timed(lambda: [ctypes.memmove(d, s, k) for s, d, k in zip(*lplan)], reps)
+                r = {"backend": backend, "blocks": n, "bytes": nbytes, "ranges": len(plan[0]),
+                     "ms": round(t_net * 1e3, 3), "GBps": round(nbytes / t_net / 1e9, 3),
+                     "memcpy_ms": round(t_mem * 1e3, 3), "memcpy_GBps": round(nbytes / t_mem / 1e9, 3),
+                     "ratio_to_memcpy": round(t_mem / t_net, 4)}
+                rows.append(r)
+                print(f"{backend:8} {n:4} blocks ({nbytes / 2**20:8.2f} MiB, {len(plan[0]):5} ranges): "
+                      f"{r['ms']:9.3f} ms {r['GBps']:7.3f} GB/s | memcpy {r['memcpy_ms']:8.3f} ms "
+                      f"{r['memcpy_GBps']:7.3f} GB/s | x{r['ratio_to_memcpy']}", flush=True)
+        finally:
+            q_in.put("stop")
+            p.join(30)
+            prod.close()
+    out = ROOT / "bench" / "results" / f"kv-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
