@@ -89,7 +89,8 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
             health_interval=pick(a.health_interval, "health_interval", 2.0),
             unhealthy_after=m.get("unhealthy_after", 2), timeouts=to, limits=lim,
             mesh_id=pick(a.mesh_id, "mesh_id", ""), ledger_grace=pick(a.ledger_grace, "ledger_grace", 5.0),
-            ledger_interval=pick(a.ledger_interval, "ledger_interval", 0.5))
+            ledger_interval=pick(a.ledger_interval, "ledger_interval", 0.5),
+            first_token_early=not a.no_first_token_early and m.get("first_token_early", True))
     except TypeError as e:
         raise ConfigError(f"[mesh]: {e}") from None
 
@@ -363,6 +364,8 @@ def parser() -> argparse.ArgumentParser:
                    "default mesh-<hostname>-<port>")
     s.add_argument("--ledger-grace", type=float, help="seconds a transfer may stay held after decode (default 5)")
     s.add_argument("--ledger-interval", type=float, help="seconds between /kv/held reconciliations (default 0.5)")
+    s.add_argument("--no-first-token-early", action="store_true",
+                   help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "

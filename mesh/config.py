@@ -79,6 +79,7 @@ class MeshConfig:
     mesh_id: str = ""                          # stable across restarts (adoption of held KV); default host+port
     ledger_grace: float = 5.0                  # a transfer still held this long after decode is reclaimed
     ledger_interval: float = 0.5               # reconciliation with the pipelines' /kv/held
+    first_token_early: bool = True             # PD streams: send the prefill's token before decode starts
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable
 
@@ -33,6 +34,7 @@ from mesh.ledger import Ledger
 from mesh.metrics import Metrics
 from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
 from mesh.request import ClientRequest
+from mesh.sse import Answer
 from mesh.snapshot import View, Worker
 from mesh.h1 import H1Error, H1Response
 from mesh.upstream import Upstream, upstream_status_error
@@ -146,22 +148,56 @@ class Proxy:
                                 f"{err.message}") from None
         ledger.held(e, kv.transfer_id, len(kv.remote_block_ids))
         dbody = dict(creq.body)
-        dbody["kv_transfer_params"] = handoff_for_decode(raw)
+        dkv = dbody["kv_transfer_params"] = handoff_for_decode(raw)
+        # our additions: the response's id and created, so the stream is the same bytes however it
+        # is sent, and (first token early) that the role chunk and token 0 are already out
+        meta = {"id": ("chatcmpl-" if creq.kind == "chat" else "cmpl-") + creq.request_id, "created": int(time.time())}
+        dkv["response_meta"] = meta
+        early = None
+        if self.cfg.first_token_early and creq.stream:
+            dkv["first_token_early"] = True
+            early = await self._send_first_token(request, creq, pres, kv, meta, t0)
         data = orjson.dumps(dbody)
         try:
             dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
         except asyncio.CancelledError:
             self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
             raise
-        except Exception:
+        except Exception as err:
             # freed before the client hears of the failure
             await ledger.reclaim(e, "decode-failed")
+            if early is None:
+                raise
+            if isinstance(err, MeshError):  # the stream has begun: end it with an error event
+                await early.write(error_event(err))
+                await early.write_eof()
+                return early
             raise
         ledger.decoding(e)
         try:
-            return await self._relay(request, creq, dw, resp, first, t0, t1)
+            return await self._relay(request, creq, dw, resp, first, t0, t1, early)
         finally:
             ledger.decode_done(e)
+
+    async def _send_first_token(self, request: web.Request, creq: ClientRequest, pres: dict[str, Any],
+                                kv: KVHandoffParams, meta: dict[str, Any], t0: float) -> web.StreamResponse:
+        """Open the client's stream with the prefill's token: TTFT is the prefill's latency."""
+        try:
+            c0 = pres["choices"][0]
+            text = c0["message"]["content"] if creq.kind == "chat" else c0["text"]
+        except (KeyError, IndexError, TypeError):
+            text = None
+        if not isinstance(text, str):
+            raise UpstreamError("prefill answer has no first-token text to send early")
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
+        await out.prepare(request)
+        ans = Answer(creq.kind, creq.model, creq.request_id, meta)
+        head = ans.first_chunk()
+        ids = [kv.first_token_id] if creq.body.get("return_token_ids") else None
+        await out.write(head + ans.chunk(text, None, ids))
+        self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
+        return out
 
     # -- regular --------------------------------------------------------------------------
 
@@ -226,8 +262,8 @@ class Proxy:
                 raise UpstreamError(f"{role} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
             raise
 
-    async def _relay(self, request: web.Request, creq: ClientRequest, w: Worker,
-                     resp: H1Response, first: bytes, t0: float, t_leg: float) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, creq: ClientRequest, w: Worker, resp: H1Response, first: bytes,
+                     t0: float, t_leg: float, early: web.StreamResponse | None = None) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         role = "worker" if not self.cfg.pd else "decode"
         try:
@@ -237,10 +273,13 @@ class Proxy:
                 out = web.Response(body=first, status=resp.status,
                                    headers={"Content-Type": ctype, "X-Request-Id": creq.request_id})
                 return out
-            out = web.StreamResponse(status=resp.status, headers={
-                "Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
-            await out.prepare(request)
-            self.metrics.ttft(creq.kind, loop.time() - t0)
+            if early is not None:  # the stream is open: the first token went out already
+                out = early
+            else:
+                out = web.StreamResponse(status=resp.status, headers={
+                    "Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
+                await out.prepare(request)
+                self.metrics.ttft(creq.kind, loop.time() - t0)
             try:
                 await self._pump(out, resp, first, w, role)
             except ConnectionResetError:  # the client left mid-stream: the decode leg is cut below

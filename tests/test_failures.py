@@ -137,6 +137,10 @@ async def test_client_disconnect_mid_decode(make_pd, http):
             break
         await asyncio.sleep(0.05)
     assert pd.fleet.decodes[0].in_flight == 0  # the mesh cut the decode leg
+    for _ in range(50):
+        if pd.state.fleet.in_flight == {"mock-decode-0": 0, "mock-prefill-0": 0}:
+            break
+        await asyncio.sleep(0.05)
     assert pd.state.fleet.in_flight == {"mock-decode-0": 0, "mock-prefill-0": 0}
     assert await pd.wait_released() == 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 from aiohttp import web
@@ -66,6 +68,7 @@ async def recorded():
     cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": urls["prefill"], "model": "m"}, 0),),
                      decode=(make_worker("decode", {"url": urls["decode"], "model": "m", "tp_size": 2,
                                                     "kv_port": 9100}, 0),))
+    cfg = dataclasses.replace(cfg, first_token_early=False)  # byte-exact relay of the decode's stream
     mesh = await start_site(create_app(cfg, mesh_id="mesh-test"), "127.0.0.1", 0)
     runners.append(mesh)
     yield rec, f"http://127.0.0.1:{bound_port(mesh)}", urls
@@ -96,9 +99,13 @@ async def test_legs_carry_the_protocol(recorded, http, path):
     assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == int(urls["decode"].rsplit(":", 1)[1])
     assert kv["remote_handshake_port"] == 9100 and kv["remote_dp_size"] == 1
     assert kv["mesh_id"] == "mesh-test"
-    # section 5: the decode leg gets the client's body and every prefill field verbatim
+    # section 5: the decode leg gets the client's body and every prefill field verbatim, plus the
+    # mesh's one addition: the response's id and created (so first-token-early keeps the bytes)
     assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == body
-    assert db["kv_transfer_params"] == PREFILL_KV
+    dkv = dict(db["kv_transfer_params"])
+    meta = dkv.pop("response_meta")
+    assert dkv == PREFILL_KV
+    assert meta["id"] == ("chatcmpl-rid-7" if "chat" in path else "cmpl-rid-7") and isinstance(meta["created"], int)
 
 
 async def test_non_streaming_body_relayed_byte_for_byte(recorded, http):
@@ -106,3 +113,25 @@ async def test_non_streaming_body_relayed_byte_for_byte(recorded, http):
     async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
         assert r.status == 200
         assert await r.read() == b'{"id": "d",  "spacing": "kept" }'
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("max_tokens", [1, 6])
+async def test_first_token_early_keeps_the_bytes(make_pd, http, kind, max_tokens):
+    """The mesh sends the prefill's token itself; the client gets the same bytes as without it."""
+    import re
+
+    from workers.mock import FleetSpec, MockTiming
+
+    spec = FleetSpec(prefill=1, decode=1, timing=MockTiming(decode_ms_per_token=1))
+    on, off = await make_pd(spec), await make_pd(spec, first_token_early=False)
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    body = {"model": "mock-model", "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {"prompt": "early bird"} if kind == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    got = []
+    for pd in (on, off):
+        async with http.post(pd.url + path, json=body, headers={"X-Request-Id": "same-id"}) as r:
+            assert r.status == 200
+            got.append(re.sub(rb'"created":\d+', b'"created":0', await r.read()))
+    assert got[0] == got[1]
+    assert got[0].endswith(b"data: [DONE]\n\n") and got[0].count(b'"finish_reason":"length"') == 1

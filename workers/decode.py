@@ -96,4 +96,4 @@ class DecodeServer(EngineServer):
         except InvalidRequest:
             await self.call(self.tp.blocks.release, dst)
             raise
-        return await self.respond(request, gen, seq_id, q, first=[params.first_token_id])
+        return await self.respond(request, gen, seq_id, q, first=[params.first_token_id], kvp=kvp)

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import random
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from mesh.errors import KVTransferError, ProtocolError, error_body
 from mesh.protocol import (ConsumerRank, KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand,
                            StageAddr, WriteRequest)
 from mesh.request import render_prompt
+from mesh.sse import Answer
 from workers.kv.holder import BlockPool, TransferHolder
 from workers.kv.sidechannel import ChannelFaults, ConsumerChannel, StageChannel
 
@@ -212,37 +212,25 @@ class _Worker:
         toks = token_ids(first, int(n))
         usage = {"prompt_tokens": _prompt_tokens(body, prompt), "completion_tokens": len(toks),
                  "total_tokens": _prompt_tokens(body, prompt) + len(toks)}
-        rid = request.headers.get("X-Request-Id") or os.urandom(8).hex()
-        created = int(time.time())
+        kvp = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else {}
+        ans = Answer(kind, body["model"], request.headers.get("X-Request-Id") or os.urandom(8).hex(),
+                     kvp.get("response_meta"))
         if not body.get("stream"):
             await asyncio.sleep(self.delay(self.timing.decode_ms_per_token * (len(toks) - 1)))
-            text = "".join(token_text(t) for t in toks)
-            if kind == "chat":
-                out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                       "model": body["model"], "choices": [{"index": 0, "message": {
-                           "role": "assistant", "content": text}, "finish_reason": "length"}], "usage": usage}
-            else:
-                out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                       "model": body["model"], "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                            "finish_reason": "length"}], "usage": usage}
-            if extra:
-                out.update(extra)
-            return _json(out)
-        return await self._stream(request, kind, body, toks, usage, rid, created)
+            return web.Response(body=ans.whole("".join(token_text(t) for t in toks), "length", usage, extra),
+                                content_type="application/json")
+        return await self._stream(request, body, toks, usage, ans, bool(kvp.get("first_token_early")))
 
-    async def _stream(self, request: web.Request, kind: str, body: dict[str, Any], toks: list[int],
-                      usage: dict[str, int], rid: str, created: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: dict[str, Any], toks: list[int], usage: dict[str, int],
+                      ans: Answer, sent_early: bool) -> web.StreamResponse:
+        """One chunk per token; with `sent_early` the mesh already sent the role chunk and token 0."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        model = body["model"]
-        chat = kind == "chat"
-        head = ({"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model}
-                if chat else {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model})
         so = body.get("stream_options") or {}
         per_tok = self.timing.decode_ms_per_token
-        if chat:
-            await resp.write(_sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                        "finish_reason": None}]}))
+        head = ans.first_chunk()
+        if head and not sent_early:
+            await resp.write(head)
         for i, t in enumerate(toks):
             if i and per_tok:
                 await asyncio.sleep(self.delay(per_tok))
@@ -250,14 +238,15 @@ class _Worker:
                 assert request.transport is not None
                 request.transport.close()
                 return resp
-            last = i == len(toks) - 1
-            fin = "length" if last else None
-            choice = ({"index": 0, "delta": {"content": token_text(t)}, "finish_reason": fin} if chat else
-                      {"index": 0, "text": token_text(t), "logprobs": None, "finish_reason": fin})
-            await resp.write(_sse({**head, "choices": [choice]}))
+            if i == 0 and sent_early:
+                continue
+            # token 0's chunk never carries the finish reason: the same bytes whoever sends token 0
+            await resp.write(ans.chunk(token_text(t), "length" if 0 < i == len(toks) - 1 else None))
+        if len(toks) == 1:
+            await resp.write(ans.chunk("", "length"))
         if so.get("include_usage"):
-            await resp.write(_sse({**head, "choices": [], "usage": usage}))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(ans.usage_chunk(usage))
+        await resp.write(Answer.DONE)
         await resp.write_eof()
         return resp
 
@@ -452,10 +441,6 @@ def _prompt_tokens(body: dict[str, Any], prompt: str) -> int:
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
 def _error(status: int, message: str, param: str | None, code: str | None = None) -> web.Response:

@@ -22,7 +22,7 @@ from workers.engine.pp import PPEngine
 from workers.kv.holder import Held, TransferHolder
 from workers.kv.sidechannel import StageChannel
 from workers.kv.stage import make_writer, register_pool
-from workers.openai_io import Answer, GenRequest
+from workers.openai_io import Answer, Detokenizer, GenRequest
 from workers.server import EngineServer, error_response, json_response
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class PrefillServer(EngineServer):
             remote_handshake_port=st[0].port, remote_block_ids=tuple(seq.blocks), transfer_id=tid,
             first_token_id=o.new_tokens[0], remote_pp_size=self.pp.pp_size, tp_size=1, dp_rank=0, stages=st,
             extra={"kv_backend": self.kv_backend})
-        text = self.engine.tokenizer.decode(o.new_tokens)
+        text = Detokenizer(self.engine.tokenizer).add(o.new_tokens)  # as a stream's first chunk would say it
         ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""))
         usage = {"prompt_tokens": len(gen.prompt), "completion_tokens": 1, "total_tokens": len(gen.prompt) + 1}
         return web.Response(body=ans.whole(text, "length", usage, {"kv_transfer_params": params.encode()}),

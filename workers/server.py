@@ -164,9 +164,14 @@ class EngineServer:
         return await self.respond(request, gen, seq_id, q, first=[])
 
     async def respond(self, request: web.Request, gen: GenRequest, seq_id: str, q: asyncio.Queue[StepOutput],
-                      first: list[int], extra: dict[str, Any] | None = None) -> web.StreamResponse:
-        """Stream (or gather) a sequence's tokens; `first` are tokens already known (PD's first token)."""
-        ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""))
+                      first: list[int], extra: dict[str, Any] | None = None,
+                      kvp: dict[str, Any] | None = None) -> web.StreamResponse:
+        """Stream (or gather) a sequence's tokens; `first` are tokens already known (PD's first token).
+        With `kvp.first_token_early` the mesh already sent the role chunk and the first token."""
+        kvp = kvp or {}
+        ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""),
+                     kvp.get("response_meta"))
+        sent_early = bool(kvp.get("first_token_early")) and bool(first)
         detok = Detokenizer(self.engine.tokenizer)
         ids = list(first)
         want_ids = gen.return_token_ids
@@ -189,10 +194,12 @@ class EngineServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             head = ans.first_chunk()
-            if head:
+            if head and not sent_early:
                 await resp.write(head)
-            if first:  # PD: the prefill's first token goes out at once
-                await resp.write(ans.chunk(detok.add(first), None, list(first) if want_ids else None))
+            if first:  # PD: the prefill's first token goes out at once (unless the mesh sent it)
+                text = detok.add(first)
+                if not sent_early:
+                    await resp.write(ans.chunk(text, None, list(first) if want_ids else None))
             while finish is None:
                 o = await q.get()
                 if o.error:
