@@ -1,0 +1,127 @@
+"""PD through the mesh against one monolithic engine serving the same model: TTFT and TPOT,
+with and without first-token-early, side by side in one run.
+
+    .venv/bin/python bench/e2e.py [--prompt-len 256] [--new-tokens 32] [--requests 20] [--concurrency 1,4]
+
+Starts (as processes) a PP=2 prefill pipeline and a TP=2 decode engine (Mooncake TCP), two
+meshes over them (first-token-early on / off), and a monolithic engine (`mesh decode --tp-size 1`
+answering without PD). Streams `--requests` completions per setting; TTFT is the time to the first
+content chunk, TPOT the mean gap between the next ones. Results also go to bench/results/e2e-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+MESH = str(Path(sys.executable).parent / "mesh")
+
+from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
+
+
+def start(args: list[str], until: str) -> tuple[subprocess.Popen[str], str]:
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout is not None
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{args[1]} exited")
+        if line.startswith(until):
+            return p, line.split()[1]
+    raise RuntimeError(f"{args[1]} did not start")
+
+
+async def one(s: aiohttp.ClientSession, url: str, prompt: str, n: int) -> tuple[float, float]:
+    body = {"model": "bench-llama", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    async with s.post(url + "/v1/completions", json=body) as r:
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                if ev.startswith(b"data: {"):
+                    d = orjson.loads(ev[6:])
+                    if d["choices"] and d["choices"][0].get("finish_reason") is None or len(stamps) < n:
+                        stamps.append(time.perf_counter())
+    ttft = stamps[0] - t0
+    tpot = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    return ttft, tpot
+
+
+async def measure(url: str, prompts: list[str], n: int, conc: int) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s:
+        await one(s, url, prompts[0], 4)  # warm-up
+        sem = asyncio.Semaphore(conc)
+
+        async def lim(p: str) -> tuple[float, float]:
+            async with sem:
+                return await one(s, url, p, n)
+
+        res = await asyncio.gather(*(lim(p) for p in prompts))
+    tt = [r[0] * 1e3 for r in res]
+    tp = [r[1] * 1e3 for r in res]
+    return {"ttft_p50_ms": round(statistics.median(tt), 2), "ttft_mean_ms": round(statistics.mean(tt), 2),
+            "tpot_p50_ms": round(statistics.median(tp), 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--concurrency", default="1,4")
+    a = ap.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="atomesh-e2e-")) / "bench-llama"
+    generate(d, tiny_config(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32), seed=0)
+    common = ["--checkpoint", str(d), "--num-blocks", "2048", "--max-batch-tokens", "1024"]
+    procs = []
+    try:
+        p, pre = start([MESH, "prefill", *common, "--pp-size", "2"], "prefill ")
+        procs.append(p)
+        p, dec = start([MESH, "decode", *common, "--tp-size", "2"], "decode ")
+        procs.append(p)
+        p, mono = start([MESH, "decode", *common, "--tp-size", "1"], "decode ")
+        procs.append(p)
+        p, mesh_on = start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre, "--decode", dec],
+                           "mesh ")
+        procs.append(p)
+        p, mesh_off = start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre, "--decode",
+                             dec, "--no-first-token-early"], "mesh ")
+        procs.append(p)
+        prompts = [("benchmark %d " % i * 64)[:a.prompt_len] for i in range(a.requests)]
+        rows = []
+        for conc in [int(x) for x in a.concurrency.split(",")]:
+            for name, url in (("monolithic", mono), ("pd_first_token_early", mesh_on), ("pd", mesh_off)):
+                r = {"setup": name, "concurrency": conc, **asyncio.run(measure(url, prompts, a.new_tokens, conc))}
+                rows.append(r)
+                print(f"c={conc} {name:22} TTFT p50 {r['ttft_p50_ms']:8.2f} ms  mean {r['ttft_mean_ms']:8.2f} ms   "
+                      f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms", flush=True)
+        out = ROOT / "bench" / "results" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
+        print(f"wrote {out}")
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+
+
+if __name__ == "__main__":
+    main()
