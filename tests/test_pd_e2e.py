@@ -158,3 +158,45 @@ async def test_16_concurrent_mixed_through_the_sdk(fleet, expected):
 
         await asyncio.gather(*(one(i) for i in range(16)))
     await asyncio.to_thread(settled, fleet)
+
+
+@pytest.mark.timeout(120)
+async def test_real_stage_enrolls_itself_and_its_death_takes_the_pipeline_out(ckpt, etcd_server):
+    import os
+    import signal
+
+    import psutil
+
+    from mesh.etcd import EtcdConfig, open_client
+    from tests.test_etcd_registry import wait_for
+
+    cluster = "c-stage-death"
+    pre = await asyncio.to_thread(Proc, [MESH_BIN, "prefill", "--checkpoint", str(ckpt), "--pp-size", "3",
+                                         "--kv-backend", "zmq", "--etcd", etcd_server.url, "--cluster", cluster,
+                                         "--ttl", "3"], "ready", timeout=120)
+    try:
+        cfg = EtcdConfig.from_url(etcd_server.url, cluster=cluster)
+        c = open_client(cfg)
+        kvs = (await c.get_prefix((cfg.keys.root + "prefill/").encode())).kvs
+        await c.close()
+        stage_keys = {x.key.decode().rsplit("/", 1)[1]: orjson.loads(x.value) for x in kvs if b"/stage/" in x.key}
+        leases = {x.key.decode().rsplit("/", 1)[1]: x.lease for x in kvs if b"/stage/" in x.key}
+        children = {p.pid for p in psutil.Process(pre.p.pid).children(recursive=True)}
+        # stages 1 and 2 enrolled from their own processes, each under its own lease
+        assert set(stage_keys) == {"0", "1", "2"} and len(set(leases.values())) == 3
+        assert stage_keys["0"]["pid"] == pre.p.pid and {stage_keys["1"]["pid"], stage_keys["2"]["pid"]} <= children
+        from mesh.app import STATE, create_app, start_site
+        from mesh.config import MeshConfig
+
+        app = create_app(MeshConfig(port=0, etcd=cfg))
+        runner = await start_site(app, "127.0.0.1", 0)
+        try:
+            st = app[STATE]
+            await wait_for(lambda: len(st.fleet.table.candidates("prefill", "tiny-llama")) == 1, 10)
+            os.kill(stage_keys["2"]["pid"], signal.SIGKILL)
+            dt = await wait_for(lambda: not st.fleet.table.candidates("prefill", "tiny-llama"), 4.0)
+            print(f"real stage SIGKILL -> pipeline unroutable in {dt:.2f}s (TTL 3s)")
+        finally:
+            await runner.cleanup()
+    finally:
+        pre.stop()

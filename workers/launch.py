@@ -60,8 +60,13 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
                                   num_blocks=cfg.num_blocks, kv_backend=a.kv_backend,
                                   ranks=tuple(RankRecord(tp_rank=r.tp_rank, host=a.host, segment=r.segment)
                                               for r in server.ranks()))
-        enrollment = Enrollment(etcd=etcd, record=record, stages=stages, cfg=EnrollConfig(ttl=a.ttl))
+        own = stages[:1] if role == "prefill" else ()   # stage 0 lives here; the others enroll themselves
+        enrollment = Enrollment(etcd=etcd, record=record, stages=own, cfg=EnrollConfig(ttl=a.ttl))
         await enrollment.start()
+        for st in stages[1:]:
+            answer = await asyncio.to_thread(engine.ranks.request, st.pp_rank, "enroll", etcd, wid, st, a.ttl)
+            if answer != "ok":
+                raise RuntimeError(f"stage {st.pp_rank} could not enroll: {answer}")
     print(f"{role} {url}", flush=True)
     print("ready", flush=True)
     watch = asyncio.create_task(_watch_ranks(engine, server, enrollment))

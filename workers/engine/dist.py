@@ -10,6 +10,7 @@ A rank that dies is reported (`RankDied`) rather than waited on forever.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import multiprocessing as mp
@@ -87,6 +88,8 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
         ready.put(("error", traceback.format_exc()))
         return
     info: dict[str, Any] = {}
+    kv_loop = None
+    enrollment = None
     if spec.kv_backend:
         try:
             from workers.kv.stage import register_pool, start_stage_thread
@@ -94,8 +97,8 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
             ep = register_pool(pool, spec.kv_backend, spec.kv_host)
             info = {"segment": ep.transport.segment, "regions": ep.regions}
             if spec.kind == "pp":
-                info["kv_port"] = start_stage_thread(ep, spec.kv_host, spec.par.pp_rank, spec.par.layer_start,
-                                                     spec.par.layer_end)
+                info["kv_port"], kv_loop = start_stage_thread(ep, spec.kv_host, spec.par.pp_rank,
+                                                              spec.par.layer_start, spec.par.layer_end)
         except Exception:  # noqa: BLE001 - reported to the parent
             ready.put(("error", traceback.format_exc()))
             return
@@ -104,7 +107,26 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
     while True:
         cmd, *args = pickle.loads(sock.recv())
         if cmd == "stop":
+            if enrollment is not None and kv_loop is not None:  # deregister this stage's liveness
+                try:
+                    asyncio.run_coroutine_threadsafe(enrollment.close(), kv_loop).result(10)
+                except Exception:  # noqa: BLE001 - its lease expires anyway
+                    pass
             break
+        if cmd == "enroll":  # this stage's own liveness key, under its own lease, kept by this process
+            try:
+                if kv_loop is None:
+                    raise RuntimeError("enroll needs a stage with a KV side channel")
+                from workers.register import EnrollConfig, Enrollment
+
+                etcd_cfg, pipeline_id, stage_rec, ttl = args
+                enrollment = Enrollment(etcd=etcd_cfg, record=None, stages=(stage_rec,), pipeline_id=pipeline_id,
+                                        cfg=EnrollConfig(ttl=ttl))
+                asyncio.run_coroutine_threadsafe(enrollment.start(), kv_loop).result(60)
+                sock.send(pickle.dumps("ok"))
+            except Exception as e:  # noqa: BLE001 - told to rank 0, which fails its start clearly
+                sock.send(pickle.dumps(f"error: {e}"))
+            continue
         if cmd == "forward":
             batch, ids = args
             if spec.kind == "tp":

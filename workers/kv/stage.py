@@ -53,16 +53,17 @@ def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int) -> Any:
 
 
 def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int, layer_end: int,
-                       holder: Holder | None = None) -> int:
-    """Run a stage's side-channel server on its own thread and loop; returns its kv port."""
-    ready: list[int] = []
+                       holder: Holder | None = None) -> tuple[int, asyncio.AbstractEventLoop]:
+    """Run a stage's side-channel server on its own thread and loop; returns its kv port and that
+    loop (the stage's etcd enrollment runs there too)."""
+    ready: list[tuple[int, asyncio.AbstractEventLoop]] = []
     ev = threading.Event()
 
     async def serve() -> None:
         ch = StageChannel(host=host, port=0, pp_rank=pp_rank, holder=holder,
                           writer=make_writer(ep, layer_start, layer_end))
         await ch.start()
-        ready.append(ch.port)
+        ready.append((ch.port, asyncio.get_running_loop()))
         ev.set()
         await asyncio.Event().wait()
 
