@@ -128,9 +128,12 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         if e.status >= 500:
             log.warning("request %s failed: %s", rid, e.message)
         return error_response(e, rid)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         status = 499  # the client left
         raise
+    except ConnectionResetError:  # the client left while we wrote to it: nobody to answer
+        status = 499
+        return web.Response(status=499)
     finally:
         st.metrics.request_done(kind, status, loop.time() - t0)
 

@@ -156,11 +156,12 @@ class Proxy:
         early = None
         if self.cfg.first_token_early and creq.stream:
             dkv["first_token_early"] = True
-            early = await self._send_first_token(request, creq, pres, kv, meta, t0)
         data = orjson.dumps(dbody)
         try:
+            if "first_token_early" in dkv:
+                early = await self._send_first_token(request, creq, pres, kv, meta, t0)
             dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):  # the client left before decode had the KV
             self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
             raise
         except Exception as err:
