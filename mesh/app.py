@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mesh import __version__
 from mesh.config import MeshConfig
 from mesh.errors import Forbidden, MeshError, PayloadTooLarge, Unauthorized, error_body
+from mesh.admission import Admission
 from mesh.fleet import Fleet, Registry, StaticRegistry
 from mesh.ledger import Ledger
 from mesh.metrics import Metrics
@@ -37,6 +38,21 @@ from policies import Policy, create
 log = logging.getLogger(__name__)
 
 
+def check_api_key(keys: tuple[str, ...], header: str) -> str:
+    """The id ('key-N', never the secret) of the client's key; raises Unauthorized otherwise.
+    Every key is compared, in constant time, whatever matches first."""
+    if not header.startswith("Bearer "):
+        raise Unauthorized("an API key is required: Authorization: Bearer <key>")
+    given = header[7:].encode()
+    found = -1
+    for i, k in enumerate(keys):
+        if hmac.compare_digest(given, k.encode()):
+            found = i
+    if found < 0:
+        raise Unauthorized("invalid API key")
+    return f"key-{found}"
+
+
 @dataclass(slots=True)
 class MeshState:
     cfg: MeshConfig
@@ -47,6 +63,7 @@ class MeshState:
     background: Background
     started_at: float
     ledger: Ledger
+    admission: Admission
     proxy: Proxy | None = None
 
 
@@ -116,11 +133,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"body exceeds the limit of {st.cfg.limits.max_body_bytes} bytes") from None
         h = request.headers
+        key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
         creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
         assert st.proxy is not None
-        resp = await st.proxy.handle(request, creq)
+        async with st.admission.slot(key_id):
+            resp = await st.proxy.handle(request, creq)
         status = resp.status
         return resp
     except MeshError as e:
@@ -148,6 +167,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    if st.cfg.api_keys:
+        check_api_key(st.cfg.api_keys, request.headers.get("Authorization", ""))
     created = int(st.started_at)
     return json_response({"object": "list", "data": [
         {"id": m, "object": "model", "created": created, "owned_by": "atomesh"}
@@ -287,7 +308,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     ledger = Ledger(mesh_id, fleet, metrics_, grace_s=cfg.ledger_grace, interval_s=cfg.ledger_interval)
     ledger_box.append(ledger)
     st = MeshState(cfg=cfg, mesh_id=mesh_id, fleet=fleet, metrics=metrics_, policies=policies,
-                   background=Background(), started_at=time.time(), ledger=ledger)
+                   background=Background(), started_at=time.time(), ledger=ledger, admission=Admission(cfg.admission))
     app = web.Application(middlewares=[errors_middleware, admin_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[STATE] = st

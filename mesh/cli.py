@@ -13,6 +13,7 @@ import signal
 import sys
 from typing import Any, Awaitable, Callable
 
+from mesh.admission import AdmissionConfig
 from mesh.config import MeshConfig, Timeouts, load_toml, workers_from
 from mesh.errors import ConfigError
 from mesh.etcd import EtcdConfig
@@ -61,6 +62,18 @@ def etcd_config(a: argparse.Namespace) -> EtcdConfig:
                                key_file=a.etcd_key)
 
 
+def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+    """Client API keys: one per line of --api-key-file, and/or ATOMESH_API_KEYS (comma separated)."""
+    keys = [k.strip() for k in os.environ.get("ATOMESH_API_KEYS", "").split(",") if k.strip()]
+    if a.api_key_file:
+        try:
+            with open(a.api_key_file) as f:
+                keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except OSError as e:
+            raise ConfigError(f"--api-key-file: {e}") from None
+    return tuple(keys)
+
+
 # -- serve ----------------------------------------------------------------------------------
 
 def build_config(a: argparse.Namespace) -> MeshConfig:
@@ -90,7 +103,12 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
             unhealthy_after=m.get("unhealthy_after", 2), timeouts=to, limits=lim,
             mesh_id=pick(a.mesh_id, "mesh_id", ""), ledger_grace=pick(a.ledger_grace, "ledger_grace", 5.0),
             ledger_interval=pick(a.ledger_interval, "ledger_interval", 0.5),
-            first_token_early=not a.no_first_token_early and m.get("first_token_early", True))
+            first_token_early=not a.no_first_token_early and m.get("first_token_early", True),
+            admission=AdmissionConfig(max_concurrency=pick(a.max_concurrency, "max_concurrency", 0),
+                                      max_queue=pick(a.max_queue, "max_queue", 256),
+                                      queue_timeout=pick(a.queue_timeout, "queue_timeout", 5.0),
+                                      per_key_concurrency=pick(a.per_key_concurrency, "per_key_concurrency", 0)),
+            api_keys=api_keys(a))
     except TypeError as e:
         raise ConfigError(f"[mesh]: {e}") from None
 
@@ -364,6 +382,11 @@ def parser() -> argparse.ArgumentParser:
                    "default mesh-<hostname>-<port>")
     s.add_argument("--ledger-grace", type=float, help="seconds a transfer may stay held after decode (default 5)")
     s.add_argument("--ledger-interval", type=float, help="seconds between /kv/held reconciliations (default 0.5)")
+    s.add_argument("--max-concurrency", type=int, help="requests served at once (0: no limit); more wait")
+    s.add_argument("--max-queue", type=int, help="requests waiting at most; more get 429 (default 256)")
+    s.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot (default 5)")
+    s.add_argument("--per-key-concurrency", type=int, help="requests at once per API key (0: no limit)")
+    s.add_argument("--api-key-file", help="client API keys, one per line (also ATOMESH_API_KEYS)")
     s.add_argument("--no-first-token-early", action="store_true",
                    help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from mesh.admission import AdmissionConfig
 from mesh.errors import ConfigError, ProtocolError
 from mesh.etcd import EtcdConfig
 from mesh.protocol import DecodeRecord, PrefillRecord
@@ -80,6 +81,8 @@ class MeshConfig:
     ledger_grace: float = 5.0                  # a transfer still held this long after decode is reclaimed
     ledger_interval: float = 0.5               # reconciliation with the pipelines' /kv/held
     first_token_early: bool = True             # PD streams: send the prefill's token before decode starts
+    admission: AdmissionConfig = AdmissionConfig()
+    api_keys: tuple[str, ...] = ()             # set: /v1/* needs `Authorization: Bearer <one of them>`
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -96,6 +99,8 @@ class MeshConfig:
             raise ConfigError("with etcd the workers come from the registry: drop the worker flags")
         if self.ledger_grace <= 0 or self.ledger_interval <= 0:
             raise ConfigError("ledger_grace and ledger_interval must be > 0")
+        if any(len(k) < 16 for k in self.api_keys):
+            raise ConfigError("api keys must be at least 16 characters")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError("admin_token must be at least 16 characters")
         ids = [w.id for w in (*self.prefill, *self.decode, *self.workers)]
