@@ -298,7 +298,8 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
             if retain is not None:
                 retain(w.id for w in table.all_workers if w.role == role)
 
-    fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, on_rebuild=on_rebuild)
+    fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, breaker_open_s=cfg.breaker_open_s,
+                  on_rebuild=on_rebuild)
     ledger_box: list[Ledger] = []
     metrics_ = Metrics(fleet.in_flight_rows,
                        lambda: (registry.stale, getattr(registry, "watch_restarts", 0)),  # type: ignore[union-attr]

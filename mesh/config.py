@@ -67,7 +67,10 @@ class MeshConfig:
     decode_policy: str = "least_loaded"
     worker_policy: str = "least_loaded"
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    decode_retries: int = 1
+    decode_retries: int = 1                    # another decode engine, same KV, before the first byte
+    retries: int = 1                           # a new prefill + decode pair when the prefill surely holds nothing
+    retry_backoff: float = 0.02                # base of the exponential backoff (jittered) between tries
+    breaker_open_s: float = 5.0                # an open circuit keeps a worker out this long
     session_header: str = "X-Session-Id"
     health_interval: float = 2.0
     unhealthy_after: int = 2
@@ -87,8 +90,10 @@ class MeshConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        if self.decode_retries < 0:
-            raise ConfigError("decode_retries must be >= 0")
+        if self.decode_retries < 0 or self.retries < 0:
+            raise ConfigError("decode_retries and retries must be >= 0")
+        if self.retry_backoff < 0 or self.breaker_open_s <= 0:
+            raise ConfigError("retry_backoff must be >= 0 and breaker_open_s > 0")
         if self.health_interval <= 0:
             raise ConfigError("health_interval must be > 0")
         if self.unhealthy_after < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Callable, Iterable, Protocol
 
 import aiohttp
@@ -55,15 +56,18 @@ class StaticRegistry:
 
 
 class Fleet:
-    def __init__(self, registry: Registry, *, unhealthy_after: int = 2,
+    def __init__(self, registry: Registry, *, unhealthy_after: int = 2, breaker_open_s: float = 5.0,
                  on_rebuild: Callable[[RoutingTable], None] | None = None) -> None:
         self.registry = registry
         self.unhealthy_after = unhealthy_after
+        self.breaker_open_s = breaker_open_s
+        self._open_until: dict[str, float] = {}   # circuit open: out of routing until then
         self.in_flight: dict[str, int] = {}
         self.loads: dict[str, LoadReport] = {}
         self.models: dict[str, str] = {}          # learnt from /v1/models when not configured
         self.kv_free: dict[str, int] = {}         # free KV blocks per pipeline: probed, then tracked
-        self._fails: dict[str, int] = {}
+        self._fails: dict[str, int] = {}          # consecutive failed calls (the circuit breaker)
+        self._probe_fails: dict[str, int] = {}    # consecutive failed /load probes
         self._healthy: set[str] = set()
         self._known: tuple[Worker, ...] = ()
         self._on_rebuild = on_rebuild
@@ -91,7 +95,7 @@ class Fleet:
         ws = self.workers()
         ids = {w.id for w in ws}
         self._healthy &= ids
-        for d in (self._fails, self.loads, self.models, self.kv_free):
+        for d in (self._fails, self._probe_fails, self._open_until, self.loads, self.models, self.kv_free):
             for k in [k for k in d if k not in ids]:
                 del d[k]
         self.table = RoutingTable.build(ws, frozenset(self._healthy))
@@ -101,19 +105,33 @@ class Fleet:
     def healthy(self, worker_id: str) -> bool:
         return worker_id in self._healthy
 
-    def mark_ok(self, worker_id: str) -> None:
-        self._fails[worker_id] = 0
-        if worker_id not in self._healthy:
-            self._healthy.add(worker_id)
-            log.info("worker %s is healthy", worker_id)
-            self.rebuild()
-
     def mark_failed(self, worker_id: str) -> None:
+        """Circuit breaker: `unhealthy_after` consecutive failures open it for `breaker_open_s`;
+        then it is half-open (routable again, one more failure re-opens it); a success closes it."""
         n = self._fails.get(worker_id, 0) + 1
         self._fails[worker_id] = n
         if n >= self.unhealthy_after and worker_id in self._healthy:
             self._healthy.discard(worker_id)
-            log.warning("worker %s is unhealthy after %d failures", worker_id, n)
+            self._open_until[worker_id] = time.monotonic() + self.breaker_open_s
+            log.warning("worker %s: circuit open after %d consecutive failures", worker_id, n)
+            self.rebuild()
+
+    def succeeded(self, worker_id: str) -> None:
+        """A call went well: close the breaker (cheap when it was closed already)."""
+        if self._fails.get(worker_id):
+            self._fails[worker_id] = 0
+            self._open_until.pop(worker_id, None)
+
+    def half_open(self) -> None:
+        """Breakers whose open time is over let traffic try again (one failure re-opens them)."""
+        now = time.monotonic()
+        due = [w for w, t in self._open_until.items() if now >= t]
+        for w in due:
+            del self._open_until[w]
+            self._fails[w] = self.unhealthy_after - 1
+            self._healthy.add(w)
+            log.info("worker %s: circuit half-open", w)
+        if due:
             self.rebuild()
 
     def kv_taken(self, worker_id: str, blocks: int) -> None:
@@ -161,16 +179,18 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, ProtocolError, orjson.JSONDecodeError,
                 AttributeError, KeyError, TypeError) as e:
             log.debug("probe of %s failed: %s", w.id, e)
-            self._fails[w.id] = self._fails.get(w.id, 0) + 1
-            if self._fails[w.id] >= self.unhealthy_after:
+            n = self._probe_fails[w.id] = self._probe_fails.get(w.id, 0) + 1
+            if n >= self.unhealthy_after:
                 self._healthy.discard(w.id)
             return
-        self._fails[w.id] = 0
-        self._healthy.add(w.id)
+        self._probe_fails[w.id] = 0
+        if w.id not in self._open_until:  # an open breaker waits for its time even if /load answers
+            self._healthy.add(w.id)
 
     async def run_probes(self, session: aiohttp.ClientSession, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
+            self.half_open()
             try:
                 await self.probe_all(session, timeout=max(0.5, interval))
             except Exception:  # noqa: BLE001 - the probe loop must outlive any one bad round

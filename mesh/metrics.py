@@ -73,8 +73,8 @@ class Metrics:
                               ["leg"], buckets=LATENCY_BUCKETS, registry=r)
         self._upstream_errors = Counter("atomesh_upstream_errors", "Failed calls to workers",
                                         ["leg", "kind"], registry=r)
-        self._retries = Counter("atomesh_decode_retries", "Decode legs retried on another engine",
-                                registry=r)
+        self._retries = Counter("atomesh_retries", "Legs retried on another worker, by the leg that failed",
+                                ["leg"], registry=r)
         self._releases = Counter("atomesh_kv_release_requests", "POST /kv/release sent by the mesh",
                                  ["reason", "outcome"], registry=r)
         self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r)
@@ -109,8 +109,8 @@ class Metrics:
     def upstream_error(self, leg: str, kind: str) -> None:
         self._child(self._upstream_errors, leg, kind).inc()  # type: ignore[attr-defined]
 
-    def retry(self) -> None:
-        self._retries.inc()
+    def retry(self, leg: str) -> None:
+        self._child(self._retries, leg).inc()  # type: ignore[attr-defined]
 
     def release_sent(self, reason: str, outcome: str) -> None:
         self._child(self._releases, reason, outcome).inc()  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable
@@ -97,6 +98,10 @@ class Proxy:
         self.handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]] = (
             self.pd if cfg.pd else self.regular)
 
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with full jitter, capped at 1 s."""
+        return min(1.0, self.cfg.retry_backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
     # -- selection ------------------------------------------------------------------------
 
     def _pick(self, role: str, creq: ClientRequest, exclude: tuple[Worker, ...] = ()) -> Worker:
@@ -117,21 +122,36 @@ class Proxy:
 
     async def pd(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
-        pw = self._pick("prefill", creq)
-        dw = self._pick("decode", creq)
         headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
         ledger = self.ledger
-        e = ledger.begin(creq.request_id, pw)
-        try:
-            pres = await self.up.post_json("prefill", pw, creq.path, prefill_body(creq.body, dw, self.mesh_id),
-                                           headers, self.cfg.timeouts.prefill)
-        except MeshError as err:
-            # a prefill that answered with an error holds nothing; one cut off mid-flight may
-            ledger.prefill_failed(e, uncertain=not getattr(err, "answered", False))
-            raise
-        except BaseException:  # cancelled by a client that left
-            ledger.prefill_failed(e, uncertain=True)
-            raise
+        failed: tuple[Worker, ...] = ()
+        attempt = 0
+        while True:
+            pw = self._pick("prefill", creq, exclude=failed) if failed else self._pick("prefill", creq)
+            dw = self._pick("decode", creq)
+            e = ledger.begin(creq.request_id, pw)
+            try:
+                pres = await self.up.post_json("prefill", pw, creq.path, prefill_body(creq.body, dw, self.mesh_id),
+                                               headers, self.cfg.timeouts.prefill)
+                break
+            except MeshError as err:
+                # a prefill that answered with an error (or never connected) holds nothing; one cut
+                # off mid-flight may: only the first kind is retried, on a new pair, after a backoff
+                sure = bool(getattr(err, "answered", False))
+                ledger.prefill_failed(e, uncertain=not sure)
+                if not (sure and err.status >= 500 and attempt < self.cfg.retries):
+                    raise
+                failed += (pw,)
+                attempt += 1
+                self.metrics.retry("prefill")
+                try:
+                    self._pick("prefill", creq, exclude=failed)
+                except NoWorker:
+                    raise err from None
+                await asyncio.sleep(self._backoff(attempt))
+            except BaseException:  # cancelled by a client that left
+                ledger.prefill_failed(e, uncertain=True)
+                raise
         t1 = asyncio.get_running_loop().time()
         self.metrics.leg("prefill", t1 - t0)
         raw = pres.get("kv_transfer_params")
@@ -226,9 +246,10 @@ class Proxy:
                     w = self._pick(role, creq, exclude=tried)
                 except NoWorker:
                     raise e from None
-                self.metrics.retry()
+                self.metrics.retry(role)
                 log.info("request %s: %s leg failed (%s); retrying on %s", creq.request_id, role,
                          e.message, w.id)
+                await asyncio.sleep(self._backoff(len(tried)))
 
     async def _open(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
                     headers: dict[str, str]) -> tuple[H1Response, bytes]:
@@ -250,6 +271,7 @@ class Proxy:
             if not first:
                 self.up.failed(role, w, "empty")
                 raise UpstreamError(f"{role} worker {w.id} closed its answer without a byte")
+            self.fleet.succeeded(w.id)
             return resp, first
         except BaseException as e:
             flight[w.id] -= 1

@@ -81,8 +81,11 @@ class Upstream:
             self.failed(leg, w, "timeout")
             raise UpstreamTimeout(f"{leg} worker {w.id} did not answer within {timeout:g}s") from None
         except OSError as e:
-            self.failed(leg, w, "transport" if isinstance(e, H1Error) else "connect")
-            raise UpstreamError(f"{leg} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
+            connect = resp is None and not isinstance(e, H1Error)
+            self.failed(leg, w, "connect" if connect else "transport")
+            err = UpstreamError(f"{leg} worker {w.id} failed: {e.__class__.__name__}: {e}")
+            err.answered = connect  # type: ignore[attr-defined]  # never connected: it holds nothing
+            raise err from None
         finally:
             flight[w.id] -= 1
             if resp is not None:
@@ -98,6 +101,7 @@ class Upstream:
         if not isinstance(out, dict):
             self.failed(leg, w, "garbage")
             raise UpstreamError(f"{leg} worker {w.id} answered with JSON that is not an object")
+        self.fleet.succeeded(w.id)
         return out
 
     async def release(self, w: Worker, transfer_id: str, reason: str) -> bool | None:

@@ -70,7 +70,7 @@ async def test_decode_failure_before_first_byte_retried_on_other_engine(make_pd,
         code, raw = await post(http, pd.url, {**BODY, "stream": True})
         assert code == 200 and raw.endswith(b"data: [DONE]\n\n")
     assert pd.fleet.decodes[1].requests == 4
-    assert b"atomesh_decode_retries_total 2.0" in await (await http.get(pd.url + "/metrics")).read()
+    assert b'atomesh_retries_total{leg="decode"} 2.0' in await (await http.get(pd.url + "/metrics")).read()
     assert await pd.wait_released() == 0
 
 
@@ -159,3 +159,43 @@ async def test_kv_pool_exhausted_is_503(make_pd, http):
     pd = await make_pd(FleetSpec(prefill=1, decode=1, num_blocks=2))
     code, raw = await post(http, pd.url, {**BODY, "prompt": "x" * 100})
     assert code == 503 and err(raw)
+
+
+async def test_prefill_failure_retried_on_a_new_pair_with_backoff(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=2, decode=2), prefill_policy="round_robin", unhealthy_after=100)
+    pd.fleet.prefills[0].faults = MockFaults(status=500)
+    for i in range(4):
+        code, raw = await post(http, pd.url, {**BODY, "prompt": f"retry {i}"})
+        assert code == 200
+    assert pd.fleet.prefills[1].requests == 4
+    text = await (await http.get(pd.url + "/metrics")).text()
+    assert 'atomesh_retries_total{leg="prefill"} 2.0' in text  # round robin hit the bad one twice
+    assert pd.state.ledger.totals["NO_KV"] == 2 and await pd.wait_released() == 0
+
+
+async def test_unreachable_prefill_is_retried(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=2, decode=1), prefill_policy="round_robin", unhealthy_after=100)
+    await pd.fleet._runners[0].cleanup()  # prefill 0 refuses connections
+    for i in range(3):
+        code, _ = await post(http, pd.url, {**BODY, "prompt": f"u{i}"})
+        assert code == 200
+
+
+async def test_circuit_breaker_opens_then_half_opens(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=2, decode=1), prefill_policy="round_robin", unhealthy_after=2,
+                       breaker_open_s=0.3, health_interval=0.1, retries=1)
+    bad = pd.fleet.prefills[0]
+    bad.faults = MockFaults(status=500)
+    for i in range(6):
+        assert (await post(http, pd.url, {**BODY, "prompt": f"b{i}"}))[0] == 200
+    assert not pd.state.fleet.healthy(bad.id)  # open: no more traffic to it
+    seen = bad.requests
+    for i in range(4):
+        assert (await post(http, pd.url, {**BODY, "prompt": f"c{i}"}))[0] == 200
+    assert bad.requests == seen
+    bad.faults = MockFaults()
+    await asyncio.sleep(0.6)  # past breaker_open_s: half-open, and the probe of /load succeeds
+    assert pd.state.fleet.healthy(bad.id)
+    for i in range(4):
+        assert (await post(http, pd.url, {**BODY, "prompt": f"d{i}"}))[0] == 200
+    assert bad.requests > seen
