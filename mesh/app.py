@@ -29,6 +29,7 @@ from mesh.admission import Admission
 from mesh.fleet import Fleet, Registry, StaticRegistry
 from mesh.ledger import Ledger
 from mesh.metrics import Metrics
+from mesh.openapi import document as _openapi_document
 from mesh.proxy import Background, Proxy
 from mesh.request import check_request_id, parse
 from mesh.snapshot import RoutingTable
@@ -68,6 +69,7 @@ class MeshState:
 
 
 STATE = web.AppKey("atomesh_state", MeshState)
+OPENAPI = _openapi_document()
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -218,6 +220,10 @@ async def workers(request: web.Request) -> web.Response:
                           "workers": rows})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(OPENAPI)
+
+
 async def kv_ledger(request: web.Request) -> web.Response:
     return json_response(request.app[STATE].ledger.snapshot())
 
@@ -322,6 +328,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/workers", workers)
     app.router.add_get("/kv/ledger", kv_ledger)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 

@@ -137,6 +137,8 @@ class EngineServer:
                           num_blocks=b.num_blocks)
 
     async def _load(self, request: web.Request) -> web.Response:
+        if self.failed:  # the mesh's probe takes a broken worker out
+            return error_response(503, self.failed)
         return json_response(self.load().encode())
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:

@@ -1,0 +1,70 @@
+"""The mesh's OpenAPI 3.0 document, served at `/openapi.json` (and fuzzed by schemathesis in CI)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mesh import __version__
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+_COMMON = {
+    "model": {"type": "string", "minLength": 1},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 1},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "seed": {"type": "integer"},
+    "user": {"type": "string"},
+}
+
+_COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
+    **_COMMON,
+    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                         {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}}}
+
+_CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
+    **_COMMON,
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role"],
+        "properties": {"role": {"type": "string", "minLength": 1},
+                       "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+                           "type": "object", "required": ["type"], "properties": {"type": {"type": "string"},
+                                                                                 "text": {"type": "string"}}}}]}}}}}}
+
+
+def _generation(schema: dict[str, Any], summary: str) -> dict[str, Any]:
+    err = {"description": "an OpenAI error", "content": {"application/json": {"schema": _ERROR}}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {
+            "200": {"description": "the answer (JSON), or an SSE stream when `stream` is true",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **{code: err for code in ("400", "401", "404", "413", "429", "502", "503", "504")}}}}
+
+
+def document() -> dict[str, Any]:
+    ok = {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "Atomesh", "version": __version__,
+                 "description": "OpenAI-compatible prefill/decode disaggregation gateway"},
+        "paths": {
+            "/v1/completions": _generation(_COMPLETION, "Text completion (PD when the mesh runs in PD mode)"),
+            "/v1/chat/completions": _generation(_CHAT, "Chat completion"),
+            "/v1/models": {"get": {"summary": "Models served by the registered workers", "responses": ok}},
+            "/health": {"get": {"summary": "Liveness", "responses": ok}},
+            "/ready": {"get": {"summary": "Readiness (503 when no model can be served)", "responses": {
+                **ok, "503": {"description": "not ready", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        },
+    }
