@@ -198,12 +198,13 @@ class Ledger:
     async def _reconcile_pipeline(self, w: Worker) -> None:
         assert self.upstream is not None
         raw = await self.upstream.get_held(w, self._since.get(w.id, 0))
-        if raw is None:
-            return
         try:
-            listing = HeldList.decode(orjson.loads(raw), "kv/held")
+            listing = HeldList.decode(orjson.loads(raw), "kv/held") if raw is not None else None
         except (orjson.JSONDecodeError, ProtocolError) as e:
             log.warning("pipeline %s: bad /kv/held answer: %s", w.id, e)
+            listing = None
+        if listing is None:
+            self._unreachable(w)
             return
         if listing.seq < self._since.get(w.id, 0):  # the holder restarted: its old transfers are gone
             for e in [e for e in self.open.values() if e.pipeline.id == w.id and e.transfer_id]:
@@ -248,6 +249,16 @@ class Ledger:
                 self.finish(e, State.RELEASED, "not-listed")
         if pending:
             await asyncio.gather(*pending)
+
+    def _unreachable(self, w: Worker) -> None:
+        """The holder cannot be asked. Past a few grace periods, close what waits on it: a cut-off
+        prefill as NO_KV, a held transfer as EXPIRED (the holder's own TTL frees it if it lives)."""
+        now = time.monotonic()
+        for e in [e for e in self.open.values() if e.pipeline.id == w.id]:
+            if e.look_until and not e.transfer_id and now > e.look_until + self.grace_s:
+                self.finish(e, State.NO_KV, "holder-unreachable")
+            elif e.transfer_id and (e.decode_done_at or e.adopted) and now - e.decode_done_at > 3 * self.grace_s:
+                self.finish(e, State.EXPIRED, "holder-unreachable")
 
     def _adopt(self, w: Worker, transfer_id: str, blocks: int, request_id: str, age_s: float) -> None:
         now = time.monotonic()

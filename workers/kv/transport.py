@@ -112,6 +112,7 @@ class ZmqTransport:
         self._thread.start()
         self._out: dict[str, zmq.Socket] = {}
         self._out_lock = threading.Lock()
+        self._peer_locks: dict[str, threading.Lock] = {}
 
     @property
     def segment(self) -> str:
@@ -156,7 +157,9 @@ class ZmqTransport:
         if not src:
             return
         payload = b"".join(ctypes.string_at(s, n) for s, n in zip(src, lengths))
-        with self._out_lock:
+        with self._out_lock:  # one socket and one lock per peer: a stalled peer blocks only its own writes
+            lock = self._peer_locks.setdefault(segment, threading.Lock())
+        with lock:
             sock = self._out.get(segment)
             if sock is None:
                 sock = self._ctx.socket(zmq.DEALER)
