@@ -125,7 +125,7 @@ def _check_url(url: Any, where: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{where}.url must be an http(s) URL with a host, got {url!r}")
     try:
-        parts.port
+        _ = parts.port  # the property raises on a bad port
     except ValueError:
         raise ConfigError(f"{where}.url has a bad port: {url!r}") from None
     return url.rstrip("/")

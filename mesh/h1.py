@@ -224,7 +224,7 @@ class H1Response:
         if self._head_done and self._mode == "close" and exc is None:
             self._finish()
             return
-        self._fail(H1Error(f"connection closed before the response ended"
+        self._fail(H1Error("connection closed before the response ended"
                            + (f": {exc}" if exc else "")))
 
     def _fail(self, e: BaseException) -> None:

@@ -28,8 +28,7 @@ import orjson
 from aiohttp import web
 
 from mesh.config import MeshConfig
-from mesh.errors import (MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamClientError,
-                         UpstreamError, UpstreamTimeout, error_body)
+from mesh.errors import (MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamError, UpstreamTimeout)
 from mesh.fleet import Fleet
 from mesh.ledger import Ledger
 from mesh.metrics import Metrics
@@ -346,5 +345,3 @@ class Proxy:
                 break
         await out.write_eof()
 
-
-__all__ = ["Proxy", "Background", "prefill_body", "error_event", "error_body", "UpstreamClientError"]

@@ -28,7 +28,7 @@ import zmq
 from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
 from workers.engine.kv_cache import KVPool
-from workers.engine.model import ForwardBatch, LlamaStage
+from workers.engine.model import LlamaStage
 
 log = logging.getLogger(__name__)
 TIMEOUT = datetime.timedelta(seconds=60)

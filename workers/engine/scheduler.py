@@ -79,14 +79,12 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        need = -(-(len(seq.prompt) + seq.params.max_tokens) // self.bs)
         if -(-len(seq.prompt) // self.bs) > self.blocks.num_blocks:
             seq.state, seq.finish_reason = SeqState.FINISHED, "error"
             seq.error = (f"prompt of {len(seq.prompt)} tokens needs more KV blocks than the pool has "
                          f"({self.blocks.num_blocks} x {self.bs})")
             self.rejected.append(seq)
             return
-        del need
         if seq.computed:  # PD decode: its blocks are already filled
             seq.state = SeqState.RUNNING
             self.running.append(seq)
