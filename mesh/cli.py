@@ -250,6 +250,22 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_worker)
 
 
+# -- bench ----------------------------------------------------------------------------------
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    import json
+
+    from mesh.loadgen import BenchConfig, run, summary, table
+
+    cfg = BenchConfig(url=a.url, model=a.model, requests=a.requests, concurrency=a.concurrency,
+                      prompt_len=a.prompt_len, max_tokens=a.max_tokens, api_key=a.api_key)
+    s = summary(cfg, asyncio.run(run(cfg, progress=not a.quiet)))
+    print(table(s))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(s, f, indent=2)
+
+
 # -- demo (what `make run` starts) ----------------------------------------------------------
 
 DEMO_TEXT = """
@@ -444,6 +460,18 @@ def parser() -> argparse.ArgumentParser:
     dc = sub.add_parser("decode", help="a decode engine on the reference engine (TP rank processes)")
     add_worker_options(dc)
     dc.add_argument("--tp-size", type=int, default=1)
+
+    b = sub.add_parser("bench", help="load-test any OpenAI endpoint (the mesh or one engine)")
+    b.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", required=True)
+    b.add_argument("--requests", type=int, default=100)
+    b.add_argument("--concurrency", type=int, default=8)
+    b.add_argument("--prompt-len", type=int, default=128, help="prompt length in characters")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    b.add_argument("--out", help="write the results as JSON here")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
 
     w = sub.add_parser("workers", help="table of the fleet, from etcd or from a mesh")
     add_etcd_options(w)

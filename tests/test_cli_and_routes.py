@@ -134,3 +134,15 @@ async def test_health_probe_marks_dead_worker_and_recovers(make_pd, http):
     for i in range(5):
         async with http.post(pd.url + "/v1/completions", json={"model": "mock-model", "prompt": f"{i}"}) as r:
             assert r.status == 200
+
+
+def test_mesh_bench_against_the_mesh(proc_pd, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([MESH_BIN, "bench", "--url", proc_pd["url"], "--model", "mock-model", "--requests", "20",
+                        "--concurrency", "4", "--max-tokens", "6", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "ttft ms" in r.stdout and "req/s" in r.stdout
+    data = __import__("json").loads(out.read_text())
+    assert data["ok"] == 20 and not data["errors"] and data["ttft_ms"]["p50"] > 0
+    assert data["tokens_per_s"] > 0 and data["itl_ms"]["p50"] >= 0
