@@ -7,12 +7,13 @@ PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 
 .PHONY: run test bench clean venv sysdeps
 
-# Debian packages the tests need: a real etcd server, and libibverbs1 for Mooncake.
-# Installed only when missing (CI runs as root; elsewhere sudo is used when present).
-APT_PKGS := etcd-server libibverbs1
+# Debian packages the tests need: a real etcd server, libibverbs1 for Mooncake, chromium for the
+# dashboard test. Installed only when missing (CI runs as root; elsewhere sudo is used when present).
+APT_PKGS := etcd-server libibverbs1 chromium
 SUDO := $(shell [ "$$(id -u)" -ne 0 ] && command -v sudo)
 sysdeps:
-	@if ! command -v etcd >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
+	@if ! command -v etcd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 || \
+	    ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
 		echo "installing Debian packages: $(APT_PKGS)"; \
 		$(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(APT_PKGS) >/dev/null; \

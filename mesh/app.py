@@ -28,6 +28,7 @@ from mesh.errors import Forbidden, MeshError, PayloadTooLarge, Unauthorized, err
 from mesh.admission import Admission
 from mesh.fleet import Fleet, Registry, StaticRegistry
 from mesh.ledger import Ledger
+from mesh.dashboard import dashboard
 from mesh.metrics import Metrics
 from mesh.openapi import document as _openapi_document
 from mesh.proxy import Background, Proxy
@@ -329,6 +330,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     app.router.add_get("/workers", workers)
     app.router.add_get("/kv/ledger", kv_ledger)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/dashboard", dashboard)
     return app
 
 
