@@ -126,7 +126,7 @@ class Proxy:
         failed: tuple[Worker, ...] = ()
         attempt = 0
         while True:
-            pw = self._pick("prefill", creq, exclude=failed) if failed else self._pick("prefill", creq)
+            pw = self._pick("prefill", creq, exclude=failed)
             dw = self._pick("decode", creq)
             e = ledger.begin(creq.request_id, pw)
             try:
@@ -173,11 +173,12 @@ class Proxy:
         meta = {"id": ("chatcmpl-" if creq.kind == "chat" else "cmpl-") + creq.request_id, "created": int(time.time())}
         dkv["response_meta"] = meta
         early = None
-        if self.cfg.first_token_early and creq.stream:
+        fte = self.cfg.first_token_early and creq.stream
+        if fte:
             dkv["first_token_early"] = True
         data = orjson.dumps(dbody)
         try:
-            if "first_token_early" in dkv:
+            if fte:
                 early = await self._send_first_token(request, creq, pres, kv, meta, t0)
             dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
         except (asyncio.CancelledError, ConnectionResetError):  # the client left before decode had the KV
