@@ -26,22 +26,14 @@ import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-MESH = str(Path(sys.executable).parent / "mesh")
 
+from bench.procs import MESH, start  # noqa: E402
 from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
 
 
-def start(args: list[str], until: str) -> tuple[subprocess.Popen[str], str]:
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert p.stdout is not None
-    end = time.monotonic() + 180
-    while time.monotonic() < end:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{args[1]} exited")
-        if line.startswith(until):
-            return p, line.split()[1]
-    raise RuntimeError(f"{args[1]} did not start")
+def _url(started: tuple[subprocess.Popen[str], list[str]]) -> tuple[subprocess.Popen[str], tuple[str]]:
+    p, lines = started
+    return p, (lines[-1].split()[1],)
 
 
 async def one(s: aiohttp.ClientSession, url: str, prompt: str, n: int) -> tuple[float, float]:
@@ -93,17 +85,17 @@ def main() -> None:
     common = ["--checkpoint", str(d), "--num-blocks", "2048", "--max-batch-tokens", "1024"]
     procs = []
     try:
-        p, pre = start([MESH, "prefill", *common, "--pp-size", "2"], "prefill ")
+        p, (pre,) = _url(start([MESH, "prefill", *common, "--pp-size", "2"], "prefill "))
         procs.append(p)
-        p, dec = start([MESH, "decode", *common, "--tp-size", "2"], "decode ")
+        p, (dec,) = _url(start([MESH, "decode", *common, "--tp-size", "2"], "decode "))
         procs.append(p)
-        p, mono = start([MESH, "decode", *common, "--tp-size", "1"], "decode ")
+        p, (mono,) = _url(start([MESH, "decode", *common, "--tp-size", "1"], "decode "))
         procs.append(p)
-        p, mesh_on = start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre, "--decode", dec],
-                           "mesh ")
+        p, (mesh_on,) = _url(start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
+                                    "--decode", dec], "mesh "))
         procs.append(p)
-        p, mesh_off = start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre, "--decode",
-                             dec, "--no-first-token-early"], "mesh ")
+        p, (mesh_off,) = _url(start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
+                                     "--decode", dec, "--no-first-token-early"], "mesh "))
         procs.append(p)
         prompts = [("benchmark %d " % i * 64)[:a.prompt_len] for i in range(a.requests)]
         rows = []

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from mesh.protocol import KVRequestParams, handoff_for_decode  # noqa: E402
 
-MESH = str(Path(sys.executable).parent / "mesh")
+from bench.procs import MESH, start  # noqa: E402
 
 
 @dataclass
@@ -54,21 +53,6 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def start(cmd: list[str], until: str) -> tuple[subprocess.Popen[str], list[str]]:
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = []
-    assert p.stdout is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{cmd[0:2]} exited early: {lines}")
-        lines.append(line.strip())
-        if line.startswith(until):
-            return p, lines
-    raise RuntimeError(f"{cmd} not ready")
 
 
 class Client:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,23 +26,11 @@ import aiohttp
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-MESH = str(Path(sys.executable).parent / "mesh")
+sys.path.insert(0, str(ROOT))
+from bench.procs import MESH, start  # noqa: E402
 
 FAULTS = [{"crash_after_pull": 0.5}, {"status": 500}, {"drop_release": 0.5}, {"slow_stage": 1, "slow_stage_ms": 300},
           {"crash_before_pull": 0.5}]
-
-
-def start(args: list[str], until: str) -> tuple[subprocess.Popen[str], list[str]]:
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = []
-    assert p.stdout is not None
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{args[1]} exited: {lines}")
-        lines.append(line.strip())
-        if line.startswith(until):
-            return p, lines
 
 
 def pct(xs: list[float], q: float) -> float:
