@@ -15,19 +15,19 @@ import argparse
 import asyncio
 import json
 import statistics
+from dataclasses import asdict
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
-import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.procs import MESH, start  # noqa: E402
+from mesh.loadgen import BenchConfig, run  # noqa: E402
 from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
 
 
@@ -36,38 +36,14 @@ def _url(started: tuple[subprocess.Popen[str], list[str]]) -> tuple[subprocess.P
     return p, (lines[-1].split()[1],)
 
 
-async def one(s: aiohttp.ClientSession, url: str, prompt: str, n: int) -> tuple[float, float]:
-    body = {"model": "bench-llama", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    t0 = time.perf_counter()
-    stamps: list[float] = []
-    async with s.post(url + "/v1/completions", json=body) as r:
-        buf = b""
-        async for chunk in r.content.iter_any():
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                if ev.startswith(b"data: {"):
-                    d = orjson.loads(ev[6:])
-                    if d["choices"] and d["choices"][0].get("finish_reason") is None or len(stamps) < n:
-                        stamps.append(time.perf_counter())
-    ttft = stamps[0] - t0
-    tpot = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-    return ttft, tpot
-
-
-async def measure(url: str, prompts: list[str], n: int, conc: int) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s:
-        await one(s, url, prompts[0], 4)  # warm-up
-        sem = asyncio.Semaphore(conc)
-
-        async def lim(p: str) -> tuple[float, float]:
-            async with sem:
-                return await one(s, url, p, n)
-
-        res = await asyncio.gather(*(lim(p) for p in prompts))
-    tt = [r[0] * 1e3 for r in res]
-    tp = [r[1] * 1e3 for r in res]
+def measure(url: str, n_requests: int, prompt_len: int, n: int, conc: int) -> dict[str, float]:
+    """TTFT and TPOT of streamed completions, with `mesh bench`'s load generator."""
+    cfg = BenchConfig(url=url, model="bench-llama", requests=n_requests, concurrency=conc, prompt_len=prompt_len,
+                      max_tokens=n, extra_body={"temperature": 0, "ignore_eos": True})
+    asyncio.run(run(BenchConfig(**{**asdict(cfg), "requests": 1}), progress=False))  # warm-up
+    r = asyncio.run(run(cfg, progress=False))
+    tt = [x * 1e3 for x in r.ttft]
+    tp = [x * 1e3 for x in r.tpot]
     return {"ttft_p50_ms": round(statistics.median(tt), 2), "ttft_mean_ms": round(statistics.mean(tt), 2),
             "tpot_p50_ms": round(statistics.median(tp), 2)}
 
@@ -97,11 +73,10 @@ def main() -> None:
         p, (mesh_off,) = _url(start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
                                      "--decode", dec, "--no-first-token-early"], "mesh "))
         procs.append(p)
-        prompts = [("benchmark %d " % i * 64)[:a.prompt_len] for i in range(a.requests)]
         rows = []
         for conc in [int(x) for x in a.concurrency.split(",")]:
             for name, url in (("monolithic", mono), ("pd_first_token_early", mesh_on), ("pd", mesh_off)):
-                r = {"setup": name, "concurrency": conc, **asyncio.run(measure(url, prompts, a.new_tokens, conc))}
+                r = {"setup": name, "concurrency": conc, **measure(url, a.requests, a.prompt_len, a.new_tokens, conc)}
                 rows.append(r)
                 print(f"c={conc} {name:22} TTFT p50 {r['ttft_p50_ms']:8.2f} ms  mean {r['ttft_mean_ms']:8.2f} ms   "
                       f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms", flush=True)

@@ -28,6 +28,7 @@ class BenchConfig:
     max_tokens: int = 64
     api_key: str | None = None
     timeout: float = 120.0
+    extra_body: dict[str, Any] = field(default_factory=dict)   # e.g. temperature, ignore_eos
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.prompt_len < 1 or self.max_tokens < 1:
@@ -54,7 +55,7 @@ def pct(xs: list[float], q: float) -> float:
 
 async def _one(s: aiohttp.ClientSession, cfg: BenchConfig, i: int, res: Results) -> None:
     body = {"model": cfg.model, "prompt": (f"request {i} " * cfg.prompt_len)[:cfg.prompt_len],
-            "max_tokens": cfg.max_tokens, "stream": True}
+            "max_tokens": cfg.max_tokens, "stream": True, **cfg.extra_body}
     t0 = time.perf_counter()
     stamps: list[float] = []
     try:
@@ -74,7 +75,7 @@ async def _one(s: aiohttp.ClientSession, cfg: BenchConfig, i: int, res: Results)
                         return
                     if ev.startswith(b"data: {"):
                         d = orjson.loads(ev[6:])
-                        if any(c.get("text") for c in d.get("choices", [])):
+                        if any("text" in c for c in d.get("choices", [])):  # one chunk per token
                             stamps.append(time.perf_counter())
     except (aiohttp.ClientError, TimeoutError) as e:
         key = type(e).__name__
