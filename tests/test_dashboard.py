@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import httpx
-import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
