@@ -187,6 +187,10 @@ def cmd_register(a: argparse.Namespace) -> None:
         spec = {"url": a.url, "model": a.model, "id": a.id or f"{a.role}-{a.url.split('://')[-1].replace(':', '-')}",
                 "tp_size": a.tp_size, "block_size": a.block_size, "num_blocks": a.num_blocks,
                 "kv_backend": a.kv_backend, "dialect": a.dialect}
+        if a.bootstrap_port is not None:
+            if a.dialect != "sglang" or a.role != "prefill":
+                raise ConfigError("--bootstrap-port is for --role prefill --dialect sglang")
+            spec["bootstrap_port"] = a.bootstrap_port
         if a.role == "prefill":
             spec.update(pp_size=a.pp_size, stages=[s.encode() for s in stages])
             if not stages and a.pp_size == 1:  # a one-stage pipeline without --stage: stage 0 here
@@ -444,7 +448,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--num-blocks", type=int, default=0)
     r.add_argument("--kv-backend", default="zmq")
-    r.add_argument("--dialect", default="atom")
+    r.add_argument("--dialect", default="atom", choices=["atom", "vllm", "sglang"],
+                   help="how the mesh drives this worker's PD legs (docs/engines.md)")
+    r.add_argument("--bootstrap-port", type=int, help="--dialect sglang, prefill: the engine's bootstrap port "
+                   "(its --disaggregation-bootstrap-port; default 8998)")
     r.add_argument("--ttl", type=int, default=10)
     r.add_argument("--health-path", help="probe URL+PATH; withdraw the worker while it fails")
     r.add_argument("--health-interval", type=float, default=2.0)

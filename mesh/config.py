@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mesh.admission import AdmissionConfig
+from mesh.dialects import check_dialect
 from mesh.errors import ConfigError, ProtocolError
 from mesh.etcd import EtcdConfig
 from mesh.protocol import DecodeRecord, PrefillRecord
@@ -139,6 +140,7 @@ def make_worker(role: str, spec: dict[str, Any], index: int) -> Worker:
     cls = PrefillRecord if role == "prefill" else DecodeRecord
     try:
         record = cls.decode(data, where)
+        check_dialect(record.dialect, f"{where}.dialect")
     except ProtocolError as e:
         raise ConfigError(str(e)) from None
     return Worker(id=record.id, role=role, url=url, model=record.model, record=record)  # type: ignore[arg-type]

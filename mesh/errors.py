@@ -6,6 +6,8 @@ The error middleware in `mesh.app` is the only place that turns these into respo
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 
@@ -82,6 +84,14 @@ class UpstreamError(MeshError):
     status = 502
     type = "upstream_error"
     code = "upstream_error"
+
+
+class KVSourceLost(UpstreamError):
+    """The decode engine answered that it could not pull the KV from the prefill pipeline: the
+    pipeline (`pipeline`, set by the proxy) is at fault, not the decode engine."""
+
+    code = "kv_transfer_failed"
+    pipeline: Any = None
 
 
 class UpstreamClientError(MeshError):

@@ -22,6 +22,7 @@ from typing import Callable
 import aetcd
 import orjson
 
+from mesh.dialects import check_dialect
 from mesh.errors import ProtocolError
 from mesh.etcd import EtcdConfig, Keys, open_client
 from mesh.protocol import DecodeRecord, MeshRecord, PrefillRecord, StageLiveness
@@ -46,13 +47,17 @@ def build_workers(keys: Keys, kv: dict[bytes, bytes]) -> tuple[tuple[Worker, ...
             data = orjson.loads(value)
             if kind == "prefill":
                 pipelines[ident] = PrefillRecord.decode(data, key.decode())
+                check_dialect(pipelines[ident].dialect, key.decode() + ".dialect")
             elif kind == "decode":
                 decodes[ident] = DecodeRecord.decode(data, key.decode())
+                check_dialect(decodes[ident].dialect, key.decode() + ".dialect")
             elif kind == "mesh":
                 meshes[ident] = MeshRecord.decode(data, key.decode())
             else:
                 stages.setdefault(ident, {})[rank] = StageLiveness.decode(data, key.decode())  # type: ignore[index]
         except (orjson.JSONDecodeError, ProtocolError) as e:
+            if kind in ("prefill", "decode"):
+                (pipelines if kind == "prefill" else decodes).pop(ident, None)
             log.warning("ignoring bad registry value at %s: %s", key.decode(), e)
     out: list[Worker] = []
     for pid, rec in sorted(pipelines.items()):

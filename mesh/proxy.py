@@ -10,6 +10,9 @@ Failure semantics:
   came); decode is never called.
 - decode fails before its first byte: another decode engine is tried (`decode_retries`
   times); if none succeeds, an error, and the prefill is told to release the KV.
+- decode answers `kv_transfer_failed` (it could not pull from the pipeline): the pipeline is
+  blamed, not the decode engine, and the whole request is re-paired on another pipeline while
+  nothing has reached the client (`retries` times).
 - decode fails mid-stream: the stream ends with an SSE `error` event.
 - client disconnect: the running leg is cancelled (its connection closed) and the prefill is
   told to release the KV unless the decode leg already has it (its first byte arrived).
@@ -28,7 +31,8 @@ import orjson
 from aiohttp import web
 
 from mesh.config import MeshConfig
-from mesh.errors import (MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamError, UpstreamTimeout)
+from mesh.errors import (KVSourceLost, MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamError,
+                         UpstreamTimeout)
 from mesh.fleet import Fleet
 from mesh.ledger import Ledger
 from mesh.metrics import Metrics
@@ -77,6 +81,13 @@ def prefill_body(body: dict[str, Any], decode: Worker, mesh_id: str) -> dict[str
     return out
 
 
+def _error_message(body: bytes) -> str:
+    try:
+        return str(orjson.loads(body)["error"]["message"])[:300]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return body[:300].decode("utf-8", "replace")
+
+
 def error_event(err: MeshError) -> bytes:
     return b"event: error\ndata: " + err.body() + SSE_END
 
@@ -103,8 +114,9 @@ class Proxy:
 
     # -- selection ------------------------------------------------------------------------
 
-    def _pick(self, role: str, creq: ClientRequest, exclude: tuple[Worker, ...] = ()) -> Worker:
-        cands = self.fleet.table.candidates(role, creq.model)
+    def _pick(self, role: str, creq: ClientRequest, exclude: tuple[Worker, ...] = (),
+              dialect: str | None = None) -> Worker:
+        cands = self.fleet.table.candidates(role, creq.model, dialect)
         if exclude:
             cands = tuple(w for w in cands if w not in exclude)
         if not cands:
@@ -113,7 +125,8 @@ class Proxy:
             if creq.model not in self.fleet.table.models:
                 raise ModelNotFound(f"model {creq.model!r} is not served here; see GET /v1/models",
                                     param="model")
-            raise NoWorker(f"no healthy {role} worker for model {creq.model!r}",
+            what = f"{dialect} " if dialect else ""
+            raise NoWorker(f"no healthy {what}{role} worker for model {creq.model!r}",
                            headers={"Retry-After": "1"})
         return self.policies[role].select(creq, View(cands, self.load, self.kv_free))
 
@@ -122,16 +135,36 @@ class Proxy:
     async def pd(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
         headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
-        ledger = self.ledger
         failed: tuple[Worker, ...] = ()
         attempt = 0
+        while True:
+            try:
+                return await self._pd_once(request, creq, headers, t0, failed, attempt)
+            except KVSourceLost as err:
+                # the decode could not pull the KV from the pipeline (it died between the legs):
+                # nothing reached the client yet, so the whole request goes to a new pair
+                failed += (err.pipeline,)
+                attempt += 1
+                if attempt > self.cfg.retries:
+                    raise
+                try:
+                    self._pick("prefill", creq, exclude=failed)
+                except NoWorker:
+                    raise err from None
+                self.metrics.retry("prefill")
+                log.info("request %s: %s; re-pairing", creq.request_id, err.message)
+                await asyncio.sleep(self._backoff(attempt))
+
+    async def _pd_once(self, request: web.Request, creq: ClientRequest, headers: dict[str, str], t0: float,
+                       failed: tuple[Worker, ...], attempt: int) -> web.StreamResponse:
+        ledger = self.ledger
         while True:
             pw = self._pick("prefill", creq, exclude=failed)
             dw = self._pick("decode", creq)
             e = ledger.begin(creq.request_id, pw)
             try:
                 pres = await self.up.post_json("prefill", pw, creq.path, prefill_body(creq.body, dw, self.mesh_id),
-                                               headers, self.cfg.timeouts.prefill)
+                                               headers, self.cfg.timeouts.prefill, settle=False)
                 break
             except MeshError as err:
                 # a prefill that answered with an error (or never connected) holds nothing; one cut
@@ -148,9 +181,6 @@ class Proxy:
                 except NoWorker:
                     raise err from None
                 await asyncio.sleep(self._backoff(attempt))
-            except BaseException:  # cancelled by a client that left
-                ledger.prefill_failed(e, uncertain=True)
-                raise
         t1 = asyncio.get_running_loop().time()
         self.metrics.leg("prefill", t1 - t0)
         raw = pres.get("kv_transfer_params")
@@ -181,12 +211,16 @@ class Proxy:
             if fte:
                 early = await self._send_first_token(request, creq, pres, kv, meta, t0)
             dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
+            self.fleet.succeeded(pw.id)  # the decode has its KV: the pipeline served well
         except (asyncio.CancelledError, ConnectionResetError):  # the client left before decode had the KV
             self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
             raise
         except Exception as err:
             # freed before the client hears of the failure
             await ledger.reclaim(e, "decode-failed")
+            if isinstance(err, KVSourceLost):  # the pipeline, not the decode engine, is at fault
+                err.pipeline = pw
+                self.up.failed("prefill", pw, "kv_source")
             if early is None:
                 raise
             if isinstance(err, MeshError):  # the stream has begun: end it with an error event
@@ -238,6 +272,8 @@ class Proxy:
             try:
                 resp, first = await self._open(role, w, creq, data, headers)
                 return w, resp, first
+            except KVSourceLost:
+                raise  # another decode engine would pull from the same source: re-pair instead
             except (UpstreamError, UpstreamTimeout) as e:
                 tried += (w,)
                 if len(tried) > self.cfg.decode_retries:
@@ -265,6 +301,10 @@ class Proxy:
                                              idle=self.cfg.timeouts.decode_idle)
                 if resp.status >= 300:
                     body = await resp.read()
+                    if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
+                        self.up.failed(role, w, "kv_transfer", passive=False)
+                        raise KVSourceLost(f"decode worker {w.id} could not pull the KV: "
+                                           f"{_error_message(body)}")
                     self.up.failed(role, w, f"status_{resp.status // 100}xx", passive=resp.status >= 500)
                     raise upstream_status_error(role, w, resp.status, body)
                 first = await (resp.readany() if creq.stream else resp.read())

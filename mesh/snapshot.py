@@ -48,19 +48,34 @@ class View:
 
 @dataclass(frozen=True, slots=True)
 class RoutingTable:
-    """Healthy, non-draining workers grouped by (role, model); built off the request path."""
+    """Healthy, non-draining workers grouped by (role, model); built off the request path.
+
+    PD pairs a pipeline only with decode engines of its own dialect: a prefill pipeline is a
+    candidate only while a decode engine of its model and dialect is, and decode candidates are
+    also grouped by (model, dialect)."""
     by_role_model: Mapping[tuple[str, str], tuple[Worker, ...]] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     all_workers: tuple[Worker, ...] = ()
+    decode_by_dialect: Mapping[tuple[str, str], tuple[Worker, ...]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, workers: tuple[Worker, ...], healthy: frozenset[str]) -> "RoutingTable":
+        live = [w for w in workers if w.id in healthy and not w.record.draining and w.model]
+        dec: dict[tuple[str, str], list[Worker]] = {}
+        for w in live:
+            if w.role == "decode":
+                dec.setdefault((w.model, w.record.dialect), []).append(w)
         groups: dict[tuple[str, str], list[Worker]] = {}
-        for w in workers:
-            if w.id in healthy and not w.record.draining and w.model:
-                groups.setdefault((w.role, w.model), []).append(w)
+        for w in live:
+            if w.role == "prefill" and (w.model, w.record.dialect) not in dec and any(
+                    m == w.model for m, _ in dec):
+                continue  # decode engines of this model exist, none speaks this pipeline's dialect
+            groups.setdefault((w.role, w.model), []).append(w)
         models = sorted({w.model for w in workers if w.model})
-        return cls(MappingProxyType({k: tuple(v) for k, v in groups.items()}), tuple(models), workers)
+        return cls(MappingProxyType({k: tuple(v) for k, v in groups.items()}), tuple(models), workers,
+                   MappingProxyType({k: tuple(v) for k, v in dec.items()}))
 
-    def candidates(self, role: str, model: str) -> tuple[Worker, ...]:
+    def candidates(self, role: str, model: str, dialect: str | None = None) -> tuple[Worker, ...]:
+        if dialect is not None and role == "decode":
+            return self.decode_by_dialect.get((model, dialect), ())
         return self.by_role_model.get((role, model), ())

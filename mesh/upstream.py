@@ -67,8 +67,10 @@ class Upstream:
             self.fleet.mark_failed(w.id)
 
     async def post_json(self, leg: str, w: Worker, path: str, body: dict[str, Any],
-                        headers: dict[str, str], timeout: float) -> dict[str, Any]:
-        """POST a JSON body, return the decoded JSON answer of a 2xx, or raise."""
+                        headers: dict[str, str], timeout: float, settle: bool = True) -> dict[str, Any]:
+        """POST a JSON body, return the decoded JSON answer of a 2xx, or raise. A good answer closes
+        the worker's breaker unless `settle` is off (the caller decides later: a prefill is good
+        once the decode could pull its KV)."""
         flight = self.fleet.in_flight
         flight[w.id] = flight.get(w.id, 0) + 1
         resp: H1Response | None = None
@@ -101,7 +103,8 @@ class Upstream:
         if not isinstance(out, dict):
             self.failed(leg, w, "garbage")
             raise UpstreamError(f"{leg} worker {w.id} answered with JSON that is not an object")
-        self.fleet.succeeded(w.id)
+        if settle:
+            self.fleet.succeeded(w.id)
         return out
 
     async def release(self, w: Worker, transfer_id: str, reason: str) -> bool | None:

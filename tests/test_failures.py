@@ -199,3 +199,35 @@ async def test_circuit_breaker_opens_then_half_opens(make_pd, http):
     for i in range(4):
         assert (await post(http, pd.url, {**BODY, "prompt": f"d{i}"}))[0] == 200
     assert bad.requests > seen
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_kv_pull_failure_re_pairs_on_another_pipeline(make_pd, http, stream):
+    """The decode could not pull from the pipeline (it answers kv_transfer_failed): the pipeline is
+    blamed, not the decode engine, and the request is re-run on another pipeline."""
+    pd = await make_pd(FleetSpec(prefill=2, decode=1, pull_deadline_s=0.3), prefill_policy="round_robin",
+                       unhealthy_after=2, first_token_early=False)
+    bad, good = pd.fleet.prefills
+    bad.faults = MockFaults(drop_write_done=1.0)
+    bad.apply_faults()
+    for i in range(4):
+        code, raw = await post(http, pd.url, {**BODY, "prompt": f"pull {i}", "stream": stream})
+        assert code == 200 and b"error" not in raw, raw[-300:]
+    dec = pd.fleet.decodes[0]
+    assert pd.state.fleet.healthy(dec.id)  # the decode engine's circuit never opened
+    assert not pd.state.fleet.healthy(bad.id)  # the pipeline's did, after unhealthy_after failures
+    assert dec.pulls_failed == 2 and good.requests == 4
+    text = await (await http.get(pd.url + "/metrics")).text()
+    assert 'atomesh_upstream_errors_total{kind="kv_transfer",leg="decode"} 2.0' in text
+    assert pd.state.ledger.totals["RECLAIMED"] == 2
+    assert await pd.wait_released() == 0
+
+
+async def test_kv_pull_failure_after_token_zero_ends_the_stream_with_an_error(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, pull_deadline_s=0.3), first_token_early=True)
+    pd.fleet.prefills[0].faults = MockFaults(drop_write_done=1.0)
+    pd.fleet.prefills[0].apply_faults()
+    code, raw = await post(http, pd.url, {**BODY, "stream": True})
+    assert code == 200 and raw.count(b"data: {") == 2  # the role + token 0 chunk, then the error
+    assert b"event: error" in raw and b'"kv_transfer_failed"' in raw
+    assert await pd.wait_released() == 0

@@ -164,6 +164,7 @@ class Ranks:
         for r in range(1, self.world):
             s = self._zctx.socket(zmq.PAIR)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDTIMEO, 500)
             port = s.bind_to_random_port("tcp://127.0.0.1")
             self.socks.append(s)
             spec = RankSpec(kind, str(checkpoint), engine, pars[r], r, self.world, store_port, port,
@@ -190,15 +191,23 @@ class Ranks:
             if not p.is_alive():
                 raise RankDied(f"{p.name} died with exit code {p.exitcode}")
 
+    def _send(self, s: zmq.Socket, data: bytes) -> None:
+        """A PAIR socket blocks a send while its peer is gone: wait in slices, checking the ranks."""
+        while True:
+            self.check()
+            try:
+                s.send(data)
+                return
+            except zmq.Again:
+                continue
+
     def send(self, rank: int, *msg: Any) -> None:
-        self.check()
-        self.socks[rank - 1].send(pickle.dumps(msg))
+        self._send(self.socks[rank - 1], pickle.dumps(msg))
 
     def broadcast(self, *msg: Any) -> None:
         data = pickle.dumps(msg)
-        self.check()
         for s in self.socks:
-            s.send(data)
+            self._send(s, data)
 
     def request(self, rank: int, *msg: Any, timeout_ms: int = 60000) -> Any:
         self.send(rank, *msg)
