@@ -81,7 +81,8 @@ class Ledger:
         self.grace_s = grace_s
         self.interval_s = interval_s
         self.full_interval_s = full_interval_s
-        self.open: dict[str, Entry] = {}               # request id -> live entry
+        # (pipeline id, request id) -> live entry: a request re-paired on another pipeline has one each
+        self.open: dict[tuple[str, str], Entry] = {}
         self.by_transfer: dict[str, Entry] = {}
         self.totals: Counter[str] = Counter()           # terminal state -> count (adopted ones apart)
         self.adopted_totals: Counter[str] = Counter()
@@ -97,7 +98,7 @@ class Ledger:
 
     def begin(self, request_id: str, pipeline: Worker) -> Entry:
         e = Entry(request_id, pipeline, State.PREFILLING, time.monotonic())
-        self.open[request_id] = e
+        self.open[(pipeline.id, request_id)] = e
         self.began += 1
         return e
 
@@ -145,8 +146,9 @@ class Ledger:
                             "held_s": None if held_s is None else round(held_s, 4)})
 
     def _drop(self, e: Entry) -> None:
-        if self.open.get(e.request_id) is e:
-            del self.open[e.request_id]
+        key = (e.pipeline.id, e.request_id)
+        if self.open.get(key) is e:
+            del self.open[key]
         if e.transfer_id and self.by_transfer.get(e.transfer_id) is e:
             del self.by_transfer[e.transfer_id]
 
@@ -213,7 +215,7 @@ class Ledger:
         for f in listing.freed:
             e = self.by_transfer.get(f.transfer_id)
             if e is None and f.request_id:  # a cut-off prefill whose transfer was freed before we saw it
-                cand = self.open.get(f.request_id)
+                cand = self.open.get((w.id, f.request_id))
                 if cand is not None and cand.pipeline.id == w.id and cand.look_until and not cand.transfer_id:
                     e = cand
                     e.transfer_id = f.transfer_id
@@ -226,7 +228,7 @@ class Ledger:
             held_ids.add(t.transfer_id)
             e = self.by_transfer.get(t.transfer_id)
             if e is None and t.request_id:
-                e = self.open.get(t.request_id)
+                e = self.open.get((w.id, t.request_id))
                 if e is not None and e.pipeline.id == w.id and e.look_until and not e.transfer_id:
                     # a prefill we cut off did hold KV after all: take it over and free it
                     e.transfer_id, e.blocks, e.held_at = t.transfer_id, t.blocks, now - t.age_s
@@ -264,7 +266,7 @@ class Ledger:
         now = time.monotonic()
         e = Entry(request_id or f"adopted:{transfer_id}", w, State.DECODING, now - age_s, transfer_id, blocks,
                   held_at=now - age_s, decode_done_at=now - self.grace_s, adopted=True)
-        self.open[e.request_id] = e
+        self.open[(w.id, e.request_id)] = e
         self.by_transfer[transfer_id] = e
         log.info("adopted transfer %s on %s (held %.1fs under this mesh id)", transfer_id, w.id, age_s)
 
@@ -290,3 +292,29 @@ class Ledger:
     def gauge_rows(self) -> Iterable[tuple[str, int, int, float]]:
         for pid, d in self.held_by_pipeline().items():
             yield pid, int(d["transfers"]), int(d["blocks"]), d["oldest_age_s"]
+
+
+class Untracked:
+    """The ledger's calls for dialects whose engines free their own KV (vllm, sglang): nothing to
+    track here, since the mesh can neither list nor release what those engines hold."""
+
+    def begin(self, request_id: str, pipeline: Worker) -> None:
+        return None
+
+    def held(self, e: Any, transfer_id: str, blocks: int) -> None:
+        pass
+
+    def prefill_failed(self, e: Any, *, uncertain: bool) -> None:
+        pass
+
+    def decoding(self, e: Any) -> None:
+        pass
+
+    def decode_done(self, e: Any) -> None:
+        pass
+
+    async def reclaim(self, e: Any, reason: str) -> None:
+        pass
+
+
+UNTRACKED = Untracked()

@@ -31,10 +31,11 @@ import orjson
 from aiohttp import web
 
 from mesh.config import MeshConfig
+from mesh.dialects import ATOM, SGLANG, one_token, sglang_bodies, vllm_decode_params, vllm_prefill_body
 from mesh.errors import (KVSourceLost, MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamError,
                          UpstreamTimeout)
 from mesh.fleet import Fleet
-from mesh.ledger import Ledger
+from mesh.ledger import UNTRACKED, Ledger
 from mesh.metrics import Metrics
 from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
 from mesh.request import ClientRequest
@@ -67,18 +68,22 @@ class Background:
 
 def prefill_body(body: dict[str, Any], decode: Worker, mesh_id: str) -> dict[str, Any]:
     """Section 4: the client body with stream off, one token, and where the KV will go."""
-    out = dict(body)
-    out["stream"] = False
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out.pop("stream_options", None)
+    out = one_token(body)
     rec = decode.record
     out["kv_transfer_params"] = KVRequestParams(
         remote_engine_id=decode.id, remote_host=decode.host, remote_port=decode.port,
         remote_handshake_port=int(rec.extra.get("kv_port", 0)), remote_tp_size=rec.tp_size,
         extra={"mesh_id": mesh_id}).encode()
     return out
+
+
+class RePair(Exception):
+    """A PD pair failed before anything reached the client: run the request on a new pair, without
+    the worker(s) named here, or answer `cause` when no try is left."""
+
+    def __init__(self, cause: MeshError, *, pipeline: Worker | None = None, decode: Worker | None = None) -> None:
+        super().__init__(cause.message)
+        self.cause, self.pipeline, self.decode = cause, pipeline, decode
 
 
 def _error_message(body: bytes) -> str:
@@ -133,61 +138,63 @@ class Proxy:
     # -- PD -------------------------------------------------------------------------------
 
     async def pd(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        """Run the request on a (pipeline, decode) pair; while nothing has reached the client, a
+        failed pair is replaced by a new one (`retries` times, jittered backoff)."""
         t0 = asyncio.get_running_loop().time()
         headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
-        failed: tuple[Worker, ...] = ()
+        not_p: tuple[Worker, ...] = ()
+        not_d: tuple[Worker, ...] = ()
         attempt = 0
         while True:
             try:
-                return await self._pd_once(request, creq, headers, t0, failed, attempt)
-            except KVSourceLost as err:
-                # the decode could not pull the KV from the pipeline (it died between the legs):
-                # nothing reached the client yet, so the whole request goes to a new pair
-                failed += (err.pipeline,)
+                pw = self._pick("prefill", creq, exclude=not_p)
+                dw = self._pick("decode", creq, dialect=pw.record.dialect)
+                if pw.record.dialect == SGLANG:
+                    return await self._pd_sglang(request, creq, headers, t0, pw, dw)
+                return await self._pd_prefill_first(request, creq, headers, t0, pw, dw)
+            except RePair as rp:
+                not_p += (rp.pipeline,) if rp.pipeline is not None else ()
+                not_d += (rp.decode,) if rp.decode is not None else ()
                 attempt += 1
                 if attempt > self.cfg.retries:
-                    raise
+                    raise rp.cause from None
                 try:
-                    self._pick("prefill", creq, exclude=failed)
+                    nxt = self._pick("prefill", creq, exclude=not_p)
+                    self._pick("decode", creq, exclude=not_d, dialect=nxt.record.dialect)
                 except NoWorker:
-                    raise err from None
+                    raise rp.cause from None
                 self.metrics.retry("prefill")
-                log.info("request %s: %s; re-pairing", creq.request_id, err.message)
+                log.info("request %s: %s; re-pairing", creq.request_id, rp.cause.message)
                 await asyncio.sleep(self._backoff(attempt))
 
-    async def _pd_once(self, request: web.Request, creq: ClientRequest, headers: dict[str, str], t0: float,
-                       failed: tuple[Worker, ...], attempt: int) -> web.StreamResponse:
-        ledger = self.ledger
-        while True:
-            pw = self._pick("prefill", creq, exclude=failed)
-            dw = self._pick("decode", creq)
-            e = ledger.begin(creq.request_id, pw)
-            try:
-                pres = await self.up.post_json("prefill", pw, creq.path, prefill_body(creq.body, dw, self.mesh_id),
-                                               headers, self.cfg.timeouts.prefill, settle=False)
-                break
-            except MeshError as err:
-                # a prefill that answered with an error (or never connected) holds nothing; one cut
-                # off mid-flight may: only the first kind is retried, on a new pair, after a backoff
-                sure = bool(getattr(err, "answered", False))
-                ledger.prefill_failed(e, uncertain=not sure)
-                if not (sure and err.status >= 500 and attempt < self.cfg.retries):
-                    raise
-                failed += (pw,)
-                attempt += 1
-                self.metrics.retry("prefill")
-                try:
-                    self._pick("prefill", creq, exclude=failed)
-                except NoWorker:
-                    raise err from None
-                await asyncio.sleep(self._backoff(attempt))
+    async def _pd_prefill_first(self, request: web.Request, creq: ClientRequest, headers: dict[str, str],
+                                t0: float, pw: Worker, dw: Worker) -> web.StreamResponse:
+        """Dialects `atom` and `vllm`: the prefill leg, then the decode leg with its params."""
+        atom = pw.record.dialect == ATOM
+        ledger = self.ledger if atom else UNTRACKED  # vLLM engines free their KV themselves
+        e = ledger.begin(creq.request_id, pw)
+        body = prefill_body(creq.body, dw, self.mesh_id) if atom else vllm_prefill_body(creq.body)
+        try:
+            pres = await self.up.post_json("prefill", pw, creq.path, body, headers, self.cfg.timeouts.prefill,
+                                           settle=False)
+        except MeshError as err:
+            # a prefill that answered with an error (or never connected) holds nothing; one cut
+            # off mid-flight may: only the first kind is retried, on a new pair
+            sure = bool(getattr(err, "answered", False))
+            ledger.prefill_failed(e, uncertain=not sure)
+            if sure and err.status >= 500:
+                raise RePair(err, pipeline=pw) from None
+            raise
+        except BaseException:  # cancelled by a client that left
+            ledger.prefill_failed(e, uncertain=True)
+            raise
         t1 = asyncio.get_running_loop().time()
         self.metrics.leg("prefill", t1 - t0)
         raw = pres.get("kv_transfer_params")
         try:
-            kv = KVHandoffParams.decode(raw, "kv_transfer_params")
+            kv = KVHandoffParams.decode(raw, "kv_transfer_params") if atom else vllm_decode_params(raw)
         except ProtocolError as err:
-            if isinstance(raw, dict) and isinstance(raw.get("transfer_id"), str):
+            if atom and isinstance(raw, dict) and isinstance(raw.get("transfer_id"), str):
                 ledger.held(e, raw["transfer_id"], 0)
                 await ledger.reclaim(e, "bad-handoff")
             else:
@@ -195,17 +202,22 @@ class Proxy:
             self.up.failed("prefill", pw, "garbage")
             raise UpstreamError(f"prefill pipeline {pw.id} answered without valid kv_transfer_params: "
                                 f"{err.message}") from None
-        ledger.held(e, kv.transfer_id, len(kv.remote_block_ids))
         dbody = dict(creq.body)
-        dkv = dbody["kv_transfer_params"] = handoff_for_decode(raw)
-        # our additions: the response's id and created, so the stream is the same bytes however it
-        # is sent, and (first token early) that the role chunk and token 0 are already out
-        meta = {"id": ("chatcmpl-" if creq.kind == "chat" else "cmpl-") + creq.request_id, "created": int(time.time())}
-        dkv["response_meta"] = meta
         early = None
-        fte = self.cfg.first_token_early and creq.stream
-        if fte:
-            dkv["first_token_early"] = True
+        fte = False
+        if isinstance(kv, KVHandoffParams):
+            ledger.held(e, kv.transfer_id, len(kv.remote_block_ids))
+            dkv = dbody["kv_transfer_params"] = handoff_for_decode(raw)
+            # our additions: the response's id and created, so the stream is the same bytes however
+            # it is sent, and (first token early) that the role chunk and token 0 are already out
+            meta = {"id": ("chatcmpl-" if creq.kind == "chat" else "cmpl-") + creq.request_id,
+                    "created": int(time.time())}
+            dkv["response_meta"] = meta
+            fte = self.cfg.first_token_early and creq.stream
+            if fte:
+                dkv["first_token_early"] = True
+        else:  # vllm: the prefill's params verbatim; the decode engine writes every token itself
+            dbody["kv_transfer_params"] = kv
         data = orjson.dumps(dbody)
         try:
             if fte:
@@ -219,8 +231,9 @@ class Proxy:
             # freed before the client hears of the failure
             await ledger.reclaim(e, "decode-failed")
             if isinstance(err, KVSourceLost):  # the pipeline, not the decode engine, is at fault
-                err.pipeline = pw
                 self.up.failed("prefill", pw, "kv_source")
+                if early is None:
+                    raise RePair(err, pipeline=pw) from None
             if early is None:
                 raise
             if isinstance(err, MeshError):  # the stream has begun: end it with an error event
@@ -233,6 +246,43 @@ class Proxy:
             return await self._relay(request, creq, dw, resp, first, t0, t1, early)
         finally:
             ledger.decode_done(e)
+
+    async def _pd_sglang(self, request: web.Request, creq: ClientRequest, headers: dict[str, str],
+                         t0: float, pw: Worker, dw: Worker) -> web.StreamResponse:
+        """Dialect `sglang`: both legs at once, meeting on a bootstrap room; the decode answers."""
+        pbody, dbody = sglang_bodies(creq.body, pw)
+        pre = asyncio.ensure_future(self.up.post_json("prefill", pw, creq.path, pbody, headers,
+                                                      self.cfg.timeouts.prefill, settle=False))
+        dec = asyncio.ensure_future(self._open("decode", dw, creq, orjson.dumps(dbody), headers))
+        try:
+            done, _ = await asyncio.wait((pre, dec), return_when=asyncio.FIRST_COMPLETED)
+            if dec not in done and pre.exception() is not None:
+                perr = pre.exception()  # the decode would wait for a room nobody fills
+                dec.cancel()
+                await asyncio.gather(dec, return_exceptions=True)
+                if isinstance(perr, MeshError) and perr.status >= 500:
+                    raise RePair(perr, pipeline=pw) from None
+                raise perr  # type: ignore[misc]
+            try:
+                resp, first = await dec
+            except (UpstreamError, UpstreamTimeout) as err:
+                raise RePair(err, decode=dw) from None
+        except BaseException:
+            for t in (pre, dec):
+                t.cancel()
+            await asyncio.gather(pre, dec, return_exceptions=True)
+            raise
+        self.bg.spawn(self._settle_prefill(pre, pw, t0))
+        return await self._relay(request, creq, dw, resp, first, t0, t0)
+
+    async def _settle_prefill(self, pre: asyncio.Future[dict[str, Any]], pw: Worker, t0: float) -> None:
+        """An sglang prefill leg finishing beside its decode: time it, close its breaker if it went well."""
+        try:
+            await pre
+        except MeshError:
+            return  # counted against the pipeline by post_json
+        self.metrics.leg("prefill", asyncio.get_running_loop().time() - t0)
+        self.fleet.succeeded(pw.id)
 
     async def _send_first_token(self, request: web.Request, creq: ClientRequest, pres: dict[str, Any],
                                 kv: KVHandoffParams, meta: dict[str, Any], t0: float) -> web.StreamResponse:
