@@ -144,7 +144,7 @@ def _fleet_spec(a: argparse.Namespace) -> Any:
                      pp_size=a.pp_size, tp_size=a.tp_size, num_blocks=a.num_blocks, ttl_s=a.kv_ttl,
                      timing=MockTiming(prefill_ms_per_token=a.prefill_ms_per_token,
                                        decode_ms_per_token=a.decode_ms_per_token, jitter=a.jitter),
-                     seed=a.seed)
+                     seed=a.seed, dialect=getattr(a, "dialect", "atom"))
 
 
 def cmd_mock_fleet(a: argparse.Namespace) -> None:
@@ -423,6 +423,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--base-port", type=int, default=0)
     f.add_argument("--model", default="mock-model")
     f.add_argument("--pp-size", type=int, default=1)
+    f.add_argument("--dialect", default="atom", choices=["atom", "vllm", "sglang"],
+                   help="the PD protocol the mock workers speak")
     f.add_argument("--tp-size", type=int, default=1)
     f.add_argument("--num-blocks", type=int, default=4096)
     f.add_argument("--kv-ttl", type=float, default=120.0)

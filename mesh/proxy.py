@@ -148,7 +148,7 @@ class Proxy:
         while True:
             try:
                 pw = self._pick("prefill", creq, exclude=not_p)
-                dw = self._pick("decode", creq, dialect=pw.record.dialect)
+                dw = self._pick("decode", creq, exclude=not_d, dialect=pw.record.dialect)
                 if pw.record.dialect == SGLANG:
                     return await self._pd_sglang(request, creq, headers, t0, pw, dw)
                 return await self._pd_prefill_first(request, creq, headers, t0, pw, dw)

@@ -22,9 +22,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
+from mesh.dialects import check_dialect
 from mesh.errors import KVTransferError, ProtocolError, error_body
 from mesh.protocol import (ConsumerRank, KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand,
                            StageAddr, WriteRequest)
@@ -32,6 +34,8 @@ from mesh.request import render_prompt
 from mesh.sse import Answer
 from workers.kv.holder import BlockPool, TransferHolder
 from workers.kv.sidechannel import ChannelFaults, ConsumerChannel, StageChannel
+
+import workers.mock_dialects as dialects  # noqa: E402  (it reads this module's helpers at call time)
 
 log = logging.getLogger(__name__)
 VOCAB = 50000
@@ -103,8 +107,9 @@ class _Worker:
     role = "worker"
 
     def __init__(self, *, worker_id: str, model: str, host: str, timing: MockTiming, faults: MockFaults,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, dialect: str = "atom") -> None:
         self.id, self.model, self.host = worker_id, model, host
+        self.dialect = check_dialect(dialect)
         self.timing = timing
         self._faults = faults
         self.rng = random.Random(seed)
@@ -266,6 +271,22 @@ class MockPrefill(_Worker):
         self.holder = TransferHolder(BlockPool(num_blocks), ttl_s=ttl_s)
         self.stages: list[StageChannel] = []
         self._expiry: asyncio.Task[None] | None = None
+        self.rooms: dict[int, asyncio.Event] = {}  # sglang: bootstrap rooms that arrived or are awaited
+
+    def room_arrived(self, room: int) -> None:
+        self.rooms.setdefault(room, asyncio.Event()).set()
+
+    async def wait_room(self, room: int, wait: float) -> bool:
+        ev = self.rooms.setdefault(room, asyncio.Event())
+        try:
+            async with asyncio.timeout(wait):
+                await ev.wait()
+        except TimeoutError:
+            return False
+        finally:
+            if not ev.is_set() or self.holder.blocks_of(f"room-{room}") is not None:
+                self.rooms.pop(room, None)  # claimed now, or given up
+        return True
 
     def layers_of(self, rank: int) -> tuple[int, int]:
         per, rem = divmod(self.num_layers, self.pp_size)
@@ -305,10 +326,22 @@ class MockPrefill(_Worker):
             await asyncio.sleep(min(1.0, self.holder.ttl_s / 4))
             for tid in self.holder.expire():
                 log.info("prefill %s: transfer %s expired (ttl)", self.id, tid)
+                if tid.startswith("room-"):
+                    self.rooms.pop(int(tid[5:]), None)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/kv/held", self._held)
         app.router.add_post("/kv/release", self._release)
+        if self.dialect == "vllm":
+            app.router.add_post("/mock/vllm/read", self._vllm_read)
+        elif self.dialect == "sglang":
+            app.router.add_get("/mock/sglang/room/{room:[0-9]+}", self._sglang_room)
+
+    async def _vllm_read(self, request: web.Request) -> web.Response:
+        return await dialects.vllm_read(self, request)
+
+    async def _sglang_room(self, request: web.Request) -> web.Response:
+        return await dialects.sglang_room(self, request)
 
     def load(self) -> LoadReport:
         return LoadReport(in_flight=self.in_flight, held_transfers=len(self.holder),
@@ -334,6 +367,10 @@ class MockPrefill(_Worker):
 
     async def generate(self, request: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
         kvp = body.get("kv_transfer_params")
+        if self.dialect == "sglang" and "bootstrap_room" in body:
+            return await dialects.sglang_prefill(self, request, kind, body)
+        if self.dialect == "vllm" and isinstance(kvp, dict) and not self.faults.no_kv_params:
+            return await dialects.vllm_prefill(self, request, kind, body)
         if not (isinstance(kvp, dict) and kvp.get("do_remote_decode")) or self.faults.no_kv_params:
             return await super().generate(request, kind, body)
         try:
@@ -380,6 +417,14 @@ class MockDecode(_Worker):
         self.pull_deadline_s = pull_deadline_s
         self.channel: ConsumerChannel | None = None
         self.pulls_failed = 0
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """vllm / sglang: this engine's client to the prefill side (KV reads, bootstrap rooms)."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.pull_deadline_s + 5))
+        return self._http
 
     async def start_kv(self) -> None:
         self.channel = ConsumerChannel(host=self.host)
@@ -393,6 +438,8 @@ class MockDecode(_Worker):
     async def close_kv(self) -> None:
         if self.channel is not None:
             await self.channel.close()
+        if self._http is not None:
+            await self._http.close()
 
     def ranks(self) -> tuple[ConsumerRank, ...]:
         per = self.num_kv_heads // self.tp_size
@@ -401,6 +448,10 @@ class MockDecode(_Worker):
 
     async def generate(self, request: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
         kvp = body.get("kv_transfer_params")
+        if self.dialect == "sglang" and "bootstrap_room" in body:
+            return await dialects.sglang_decode(self, request, kind, body)
+        if self.dialect == "vllm" and isinstance(kvp, dict) and kvp.get("do_remote_prefill"):
+            return await dialects.vllm_decode(self, request, kind, body)
         if not (isinstance(kvp, dict) and kvp.get("do_remote_prefill")):
             return await super().generate(request, kind, body)
         try:
@@ -465,8 +516,10 @@ class FleetSpec:
     seed: int | None = None
     pull_deadline_s: float = 10.0
     id_prefix: str = "mock-"        # worker ids are <prefix>prefill-<i> / <prefix>decode-<i>
+    dialect: str = "atom"           # atom | vllm | sglang: the PD protocol the workers speak
 
     def __post_init__(self) -> None:
+        check_dialect(self.dialect)
         if self.prefill < 0 or self.decode < 0 or self.prefill + self.decode == 0:
             raise ValueError("prefill and decode must be >= 0, and not both 0")
         if not 0 <= self.base_port <= 65535:
@@ -485,7 +538,7 @@ class MockFleet:
     async def start(self) -> None:
         s = self.spec
         port = s.base_port
-        common = dict(model=s.model, host=s.host, timing=s.timing, faults=s.faults)
+        common = dict(model=s.model, host=s.host, timing=s.timing, faults=s.faults, dialect=s.dialect)
         for i in range(s.prefill):
             w = MockPrefill(worker_id=f"{s.id_prefix}prefill-{i}", pp_size=s.pp_size, block_size=s.block_size,
                             num_blocks=s.num_blocks, ttl_s=s.ttl_s,
@@ -523,9 +576,11 @@ class MockFleet:
 
         pre = tuple(make_worker("prefill", {"url": w.url, "id": w.id, "model": w.model, "pp_size": w.pp_size,
                                             "block_size": w.block_size, "num_blocks": w.holder.pool.num_blocks,
-                                            "stages": w.record_stages()}, i)
+                                            "stages": w.record_stages(), "dialect": w.dialect,
+                                            **({"bootstrap_port": w.port} if w.dialect == "sglang" else {})}, i)
                     for i, w in enumerate(self.prefills))
-        dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model, "tp_size": w.tp_size}, i)
+        dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model, "tp_size": w.tp_size,
+                                           "dialect": w.dialect}, i)
                     for i, w in enumerate(self.decodes))
         return pre, dec
 

@@ -1,0 +1,208 @@
+"""PD dialects through the mesh: atom, vllm and sglang mock fleets, each checking what the mesh
+sends the way the real engine would (a wrong leg body is refused by the mock with a 400)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import openai
+import orjson
+import pytest
+
+from mesh.app import STATE, bound_port, create_app, start_site
+from mesh.config import MeshConfig, Timeouts, make_worker
+from mesh.errors import ConfigError
+from mesh.snapshot import RoutingTable
+from tests.conftest import MESH_BIN
+from workers.mock import FleetSpec, MockFaults, MockFleet, first_token, token_ids, token_text
+
+DIALECTS = ("atom", "vllm", "sglang")
+BODY = {"model": "mock-model", "prompt": "dialects all say the same", "max_tokens": 6, "temperature": 0}
+
+
+def expected_text(prompt: str, n: int) -> str:
+    return "".join(token_text(t) for t in token_ids(first_token(prompt), n))
+
+
+def sse_text(raw: bytes) -> str:
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            out.append(orjson.loads(line[6:])["choices"][0].get("text", ""))
+    return "".join(out)
+
+
+async def held_nowhere(fleet: MockFleet, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(len(p.holder) for p in fleet.prefills):
+        assert time.monotonic() < deadline, {p.id: len(p.holder) for p in fleet.prefills}
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_completions_stream_and_not_in_every_dialect(make_pd, http, dialect):
+    pd = await make_pd(FleetSpec(prefill=2, decode=2, dialect=dialect))
+    want = expected_text(BODY["prompt"], 6)
+    for _ in range(4):
+        async with http.post(pd.url + "/v1/completions", json=BODY) as r:
+            assert r.status == 200, await r.text()
+            d = await r.json()
+        assert d["choices"][0]["text"] == want and d["usage"]["completion_tokens"] == 6
+        async with http.post(pd.url + "/v1/completions", json={**BODY, "stream": True}) as r:
+            assert r.status == 200
+            raw = await r.read()
+        assert raw.endswith(b"data: [DONE]\n\n") and sse_text(raw) == want, raw[-300:]
+    assert all(d.requests == 4 for d in pd.fleet.decodes)  # round robin over both engines
+    assert sum(p.requests for p in pd.fleet.prefills) == 8
+    await held_nowhere(pd.fleet)  # each engine freed its KV (consumer read / release)
+    if dialect != "atom":  # engine-managed KV: nothing for the mesh's ledger
+        assert pd.state.ledger.began == 0
+    else:
+        assert pd.state.ledger.began == 8
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_openai_sdk_chat_streams_through_each_dialect(make_pd, dialect):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect=dialect))
+    client = openai.AsyncOpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hello"}], max_tokens=5, stream=True,
+            stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        full = await client.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+    finally:
+        await client.close()
+    assert "".join(parts) == full.choices[0].message.content and len("".join(parts)) > 0
+    assert usage is not None and usage.completion_tokens == 5
+    await held_nowhere(pd.fleet)
+
+
+async def test_sglang_sends_one_room_to_both_legs_at_once(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect="sglang"))
+    seen: list[dict] = []
+    pre = pd.fleet.prefills[0]
+    orig = pre.generate
+
+    async def spy(request, kind, body):
+        seen.append(body)
+        return await orig(request, kind, body)
+
+    pre.generate = spy  # type: ignore[method-assign]
+    async with http.post(pd.url + "/v1/completions", json={**BODY, "stream": True}) as r:
+        assert r.status == 200
+        await r.read()
+    (b,) = seen
+    assert b["bootstrap_host"] == pre.host and b["bootstrap_port"] == pre.port
+    assert isinstance(b["bootstrap_room"], int) and 0 <= b["bootstrap_room"] < 2 ** 63
+    assert b["stream"] is False and b["max_tokens"] == 6  # the prefill leg is the client's body, not streamed
+    assert pd.fleet.decodes[0].pulls_failed == 0  # the decode met the prefill in that room
+
+
+async def test_sglang_failed_prefill_is_re_paired_and_its_decode_cut(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=2, decode=1, dialect="sglang"), prefill_policy="round_robin",
+                       unhealthy_after=100)
+    pd.fleet.prefills[0].faults = MockFaults(status=503)
+    for i in range(4):
+        async with http.post(pd.url + "/v1/completions", json={**BODY, "prompt": f"sg {i}"}) as r:
+            assert r.status == 200, await r.text()
+    assert pd.fleet.prefills[1].requests == 4
+    assert pd.fleet.decodes[0].pulls_failed == 0  # cut while waiting for a room that never came
+    assert b'atomesh_retries_total{leg="prefill"} 2.0' in await (await http.get(pd.url + "/metrics")).read()
+    await held_nowhere(pd.fleet)
+
+
+async def test_sglang_decode_failure_is_re_paired_on_another_engine(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=2, dialect="sglang", ttl_s=0.5), decode_policy="round_robin",
+                       unhealthy_after=100)
+    pd.fleet.decodes[0].faults = MockFaults(status=500)
+    for i in range(4):
+        async with http.post(pd.url + "/v1/completions", json={**BODY, "prompt": f"sd {i}", "stream": True}) as r:
+            assert r.status == 200
+            assert (await r.read()).endswith(b"[DONE]\n\n")
+    assert pd.fleet.decodes[1].requests == 4
+    await held_nowhere(pd.fleet)  # rooms nobody claimed expire on the engine (its own timeout)
+
+
+async def test_vllm_decode_retry_reads_the_same_blocks_elsewhere(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=2, dialect="vllm"), decode_policy="round_robin",
+                       unhealthy_after=100)
+    pd.fleet.decodes[0].faults = MockFaults(status=500)
+    for i in range(4):
+        async with http.post(pd.url + "/v1/completions", json={**BODY, "prompt": f"vd {i}"}) as r:
+            assert r.status == 200, await r.text()
+    assert pd.fleet.decodes[1].requests == 4 and pd.fleet.prefills[0].requests == 4  # no re-prefill
+    await held_nowhere(pd.fleet)
+
+
+async def test_vllm_kv_left_unread_is_freed_by_the_engine_timeout(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect="vllm", ttl_s=0.4), decode_retries=0, retries=0)
+    pd.fleet.decodes[0].faults = MockFaults(status=500)
+    async with http.post(pd.url + "/v1/completions", json=BODY) as r:
+        assert r.status == 502
+        assert set((await r.json())["error"]) == {"message", "type", "param", "code"}
+    assert len(pd.fleet.prefills[0].holder) == 1  # the mesh cannot release a vLLM engine's blocks ...
+    await held_nowhere(pd.fleet)                   # ... its abort timeout does
+    assert pd.fleet.prefills[0].holder.pool.free == pd.fleet.prefills[0].holder.pool.num_blocks
+
+
+async def test_mixed_fleet_pairs_each_pipeline_with_its_own_dialect(http):
+    fleets = [MockFleet(FleetSpec(prefill=1, decode=1, dialect=d, id_prefix=f"{d}-")) for d in DIALECTS]
+    for f in fleets:
+        await f.start()
+    pre = tuple(w for f in fleets for w in f.mesh_workers()[0])
+    dec = tuple(w for f in fleets for w in f.mesh_workers()[1])
+    app = create_app(MeshConfig(port=0, prefill=pre, decode=dec, prefill_policy="round_robin",
+                                decode_policy="round_robin",
+                                timeouts=Timeouts(prefill=5, decode_first_byte=5, decode_idle=5, release=2)))
+    runner = await start_site(app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{bound_port(runner)}"
+    try:
+        for i in range(9):
+            async with http.post(url + "/v1/completions", json={**BODY, "stream": i % 2 == 0}) as r:
+                assert r.status == 200, await r.text()
+                raw = await r.read()
+            assert expected_text(BODY["prompt"], 6) in (sse_text(raw) if i % 2 == 0 else orjson.loads(raw)["choices"][0]["text"])
+        for f in fleets:  # three each, and a mispairing would have been refused with a 400
+            assert f.prefills[0].requests == 3 and f.decodes[0].requests == 3
+            await held_nowhere(f)
+        assert app[STATE].ledger.began == 3  # only the atom pipeline's KV is on the ledger
+    finally:
+        await runner.cleanup()
+        for f in fleets:
+            await f.close()
+
+
+def test_routing_table_drops_pipelines_without_a_decode_of_their_dialect():
+    p_v = make_worker("prefill", {"url": "http://127.0.0.1:1", "model": "m", "id": "pv", "dialect": "vllm"}, 0)
+    p_a = make_worker("prefill", {"url": "http://127.0.0.1:2", "model": "m", "id": "pa"}, 1)
+    d_a = make_worker("decode", {"url": "http://127.0.0.1:3", "model": "m", "id": "da"}, 0)
+    t = RoutingTable.build((p_v, p_a, d_a), frozenset({"pv", "pa", "da"}))
+    assert t.candidates("prefill", "m") == (p_a,)
+    assert t.candidates("decode", "m", "atom") == (d_a,) and t.candidates("decode", "m", "vllm") == ()
+    t2 = RoutingTable.build((p_v, p_a), frozenset({"pv", "pa"}))  # no decode at all: 503 on the decode pick
+    assert t2.candidates("prefill", "m") == (p_v, p_a)
+
+
+def test_unknown_dialect_is_a_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"prefill\[0\]\.dialect.*unknown dialect 'trtllm'"):
+        make_worker("prefill", {"url": "http://127.0.0.1:1", "model": "m", "dialect": "trtllm"}, 0)
+
+
+def test_register_cli_checks_dialect_options():
+    base = [MESH_BIN, "register", "--etcd", "http://127.0.0.1:1", "--role", "decode", "--url", "http://127.0.0.1:9",
+            "--model", "m"]
+    p = subprocess.run(base + ["--dialect", "vllm", "--bootstrap-port", "8998"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0 and "--bootstrap-port is for --role prefill --dialect sglang" in p.stderr
+    assert "Traceback" not in p.stderr
+    q = subprocess.run(base + ["--dialect", "nope"], capture_output=True, text=True, timeout=60)
+    assert q.returncode == 2 and "invalid choice: 'nope'" in q.stderr
