@@ -1,7 +1,8 @@
 """The mesh's live picture of its fleet: membership, health, load and the routing table.
 
 Membership comes from a `Registry` (static here, etcd later). Health comes from an active
-probe of each worker's `GET /load` every `health_interval` seconds and passively from
+probe of each worker's `GET /load` every `health_interval` seconds (`GET /health` for engines
+without `/load`, such as vLLM and SGLang) and passively from
 failed calls. The routing table is rebuilt only when membership or health changes; the
 request path reads `fleet.table` and the `in_flight` counter dict, nothing else.
 """
@@ -68,6 +69,7 @@ class Fleet:
         self.kv_free: dict[str, int] = {}         # free KV blocks per pipeline: probed, then tracked
         self._fails: dict[str, int] = {}          # consecutive failed calls (the circuit breaker)
         self._probe_fails: dict[str, int] = {}    # consecutive failed /load probes
+        self._no_load: set[str] = set()           # workers without /load: probed at /health
         self._healthy: set[str] = set()
         self._known: tuple[Worker, ...] = ()
         self._on_rebuild = on_rebuild
@@ -164,12 +166,20 @@ class Fleet:
     async def _probe(self, session: aiohttp.ClientSession, w: Worker, timeout: float) -> None:
         to = aiohttp.ClientTimeout(total=timeout)
         try:
-            async with session.get(f"{w.url}/load", timeout=to) as r:
-                if r.status != 200:
-                    raise ProtocolError(f"/load answered {r.status}")
-                load = self.loads[w.id] = LoadReport.decode(orjson.loads(await r.read()), "load")
-                if w.role == "prefill" and load.num_blocks:
-                    self.kv_free[w.id] = load.free_blocks
+            if w.id not in self._no_load:
+                async with session.get(f"{w.url}/load", timeout=to) as r:
+                    if r.status == 404:  # an engine without Atomesh's /load (vLLM, SGLang): /health from now on
+                        self._no_load.add(w.id)
+                    elif r.status != 200:
+                        raise ProtocolError(f"/load answered {r.status}")
+                    else:
+                        load = self.loads[w.id] = LoadReport.decode(orjson.loads(await r.read()), "load")
+                        if w.role == "prefill" and load.num_blocks:
+                            self.kv_free[w.id] = load.free_blocks
+            if w.id in self._no_load:
+                async with session.get(f"{w.url}/health", timeout=to) as r:
+                    if r.status != 200:
+                        raise ProtocolError(f"/health answered {r.status}")
             if not w.model:
                 async with session.get(f"{w.url}/v1/models", timeout=to) as r:
                     data = orjson.loads(await r.read())

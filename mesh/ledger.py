@@ -187,7 +187,7 @@ class Ledger:
         full = full or now - self._last_full >= self.full_interval_s
         if full:
             self._last_full = now
-            targets = [w for w in self.fleet.workers() if w.role == "prefill"]
+            targets = [w for w in self.fleet.workers() if w.role == "prefill" and w.record.dialect == "atom"]
         else:
             seen: dict[str, Worker] = {}
             for e in self.open.values():

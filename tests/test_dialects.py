@@ -10,13 +10,16 @@ import time
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from mesh.app import STATE, bound_port, create_app, start_site
 from mesh.config import MeshConfig, Timeouts, make_worker
 from mesh.errors import ConfigError
+from mesh.etcd import EtcdConfig
 from mesh.snapshot import RoutingTable
 from tests.conftest import MESH_BIN
 from workers.mock import FleetSpec, MockFaults, MockFleet, first_token, token_ids, token_text
+from workers.register import Enrollment, engine_busy
 
 DIALECTS = ("atom", "vllm", "sglang")
 BODY = {"model": "mock-model", "prompt": "dialects all say the same", "max_tokens": 6, "temperature": 0}
@@ -161,11 +164,15 @@ async def test_mixed_fleet_pairs_each_pipeline_with_its_own_dialect(http):
     pre = tuple(w for f in fleets for w in f.mesh_workers()[0])
     dec = tuple(w for f in fleets for w in f.mesh_workers()[1])
     app = create_app(MeshConfig(port=0, prefill=pre, decode=dec, prefill_policy="round_robin",
-                                decode_policy="round_robin",
+                                decode_policy="round_robin", health_interval=0.1,
                                 timeouts=Timeouts(prefill=5, decode_first_byte=5, decode_idle=5, release=2)))
     runner = await start_site(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{bound_port(runner)}"
     try:
+        await asyncio.sleep(0.5)  # probe rounds: vllm and sglang engines have no /load, so /health
+        fleet = app[STATE].fleet
+        assert all(fleet.healthy(w.id) for w in pre + dec)
+        assert fleet._no_load == {w.id for w in pre + dec if w.record.dialect != "atom"}
         for i in range(9):
             async with http.post(url + "/v1/completions", json={**BODY, "stream": i % 2 == 0}) as r:
                 assert r.status == 200, await r.text()
@@ -206,3 +213,38 @@ def test_register_cli_checks_dialect_options():
     assert "Traceback" not in p.stderr
     q = subprocess.run(base + ["--dialect", "nope"], capture_output=True, text=True, timeout=60)
     assert q.returncode == 2 and "invalid choice: 'nope'" in q.stderr
+
+
+def test_engine_busy_reads_vllm_and_sglang_gauges():
+    page = ('# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\nvllm:num_requests_running_total 9\n')
+    assert engine_busy(page) == 3
+    assert engine_busy('sglang:num_running_reqs{model_name="m"} 0.0\nsglang:num_queue_reqs{model_name="m"} 0\n') == 0
+    assert engine_busy("process_cpu_seconds_total 1.5\n") is None
+
+
+async def test_drain_of_an_external_engine_waits_for_its_running_requests():
+    """`mesh register` beside a vLLM engine: no /load, so the drain reads vLLM's /metrics."""
+    running = {"n": 2}
+
+    async def metrics(request):
+        return web.Response(text=f'vllm:num_requests_running{{model_name="m"}} {running["n"]}.0\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        enr = Enrollment(etcd=EtcdConfig(), record=make_worker("decode", {"url": url, "model": "m",
+                                                                          "dialect": "vllm"}, 0).record)
+        waiter = asyncio.create_task(enr.wait_idle(5.0))
+        await asyncio.sleep(0.5)
+        assert not waiter.done()  # two requests still run on the engine
+        running["n"] = 0
+        assert await asyncio.wait_for(waiter, 3) is True
+    finally:
+        await runner.cleanup()

@@ -140,7 +140,8 @@ class _Worker:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/load", self._load)
+        if self.dialect == "atom":  # vLLM and SGLang engines have no /load: the mesh probes /health
+            app.router.add_get("/load", self._load)
         app.router.add_post("/mock/faults", self._set_faults)
         self.add_routes(app)
         return app
@@ -330,9 +331,10 @@ class MockPrefill(_Worker):
                     self.rooms.pop(int(tid[5:]), None)
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/kv/held", self._held)
-        app.router.add_post("/kv/release", self._release)
-        if self.dialect == "vllm":
+        if self.dialect == "atom":  # the others' engines free their KV themselves
+            app.router.add_get("/kv/held", self._held)
+            app.router.add_post("/kv/release", self._release)
+        elif self.dialect == "vllm":
             app.router.add_post("/mock/vllm/read", self._vllm_read)
         elif self.dialect == "sglang":
             app.router.add_get("/mock/sglang/room/{room:[0-9]+}", self._sglang_room)

@@ -122,21 +122,34 @@ class Enrollment:
         await self.keeper.put(self._record_group, key, self._record_bytes())
 
     async def wait_idle(self, deadline: float) -> bool:
-        """Poll the worker's `GET /load` until nothing is in flight; False if the deadline hit."""
+        """Poll the worker until nothing is in flight; False if the deadline hit. Atomesh workers
+        answer `GET /load`; vLLM and SGLang engines are read from their Prometheus `/metrics`
+        (running plus waiting requests); an engine showing neither is given the whole deadline."""
         if not self.url:
             return True
         end = time.monotonic() + deadline
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
             while time.monotonic() < end:
                 try:
-                    async with s.get(f"{self.url}/load") as r:
-                        load = orjson.loads(await r.read())
-                    if int(load.get("in_flight", 0)) == 0 and int(load.get("queued", 0)) == 0:
-                        return True
-                except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError, AttributeError):
+                    busy = await self._busy(s)
+                except (aiohttp.ClientConnectionError, TimeoutError):
                     return True  # the worker is gone: nothing left to wait for
+                if busy == 0:
+                    return True
                 await asyncio.sleep(0.2)
         return False
+
+    async def _busy(self, s: aiohttp.ClientSession) -> int | None:
+        """Requests in flight or queued on the worker; None when it does not say."""
+        async with s.get(f"{self.url}/load") as r:
+            if r.status == 200:
+                try:
+                    load = orjson.loads(await r.read())
+                    return int(load.get("in_flight", 0)) + int(load.get("queued", 0))
+                except (orjson.JSONDecodeError, ValueError, AttributeError, TypeError):
+                    return None
+        async with s.get(f"{self.url}/metrics") as r:
+            return engine_busy(await r.text()) if r.status == 200 else None
 
     async def drain(self, deadline: float | None = None) -> bool:
         """Mark draining, wait for in-flight work, then deregister. True if it went idle in time."""
@@ -151,6 +164,25 @@ class Enrollment:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.keeper.close(revoke=True)
+
+
+# running and waiting request gauges of engines without /load (vLLM, SGLang)
+BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs",
+               "sglang:num_queue_reqs")
+
+
+def engine_busy(metrics_text: str) -> int | None:
+    """Sum of the busy gauges in a Prometheus text page; None if it has none of them."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in BUSY_GAUGES:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return int(total) if seen else None
 
 
 def parse_stage(spec: str) -> StageRecord:
