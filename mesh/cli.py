@@ -231,10 +231,32 @@ def cmd_workers(a: argparse.Namespace) -> None:
 # -- real workers -------------------------------------------------------------------------
 
 def cmd_worker(a: argparse.Namespace) -> None:
-    from workers.launch import serve_worker
+    from workers.launch import EXIT, serve_worker
 
     etcd = etcd_config(a) if a.etcd else None
     _run(lambda stop: serve_worker(a.cmd, a, stop, etcd))
+    if EXIT["code"]:
+        sys.exit(EXIT["code"])
+
+
+def cmd_stage(a: argparse.Namespace) -> None:
+    """One PP stage of a pipeline whose head runs `mesh prefill --remote-stages PORT` elsewhere."""
+    from workers.engine.dist import RankDied, serve_remote_stage
+
+    host, _, port = a.head.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--head must be HOST:PORT, got {a.head!r}")
+    if a.pp_rank < 1:
+        raise ConfigError("--pp-rank must be >= 1 (stage 0 is the head, mesh prefill)")
+    print(f"stage {a.pp_rank} joining {a.head}", flush=True)
+    code = 0
+    try:
+        serve_remote_stage(host, int(port), a.pp_rank, a.checkpoint, a.host, a.connect_timeout)
+    except RankDied as e:
+        print(f"stage {a.pp_rank}: {e}", file=sys.stderr, flush=True)
+        code = 3
+    sys.stdout.flush()
+    os._exit(code)  # the KV side channel's threads are not waited for: this stage is done
 
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
@@ -465,6 +487,17 @@ def parser() -> argparse.ArgumentParser:
     pf.add_argument("--pp-size", type=int, default=1)
     pf.add_argument("--partition", help="layers per stage, e.g. 18,20,20,20 (default: even)")
     pf.add_argument("--kv-ttl", type=float, default=120.0, help="seconds a transfer is held without release")
+    pf.add_argument("--remote-stages", type=int, metavar="PORT",
+                    help="stages 1..N-1 run elsewhere (mesh stage --head HOST:PORT): the gloo store listens "
+                         "on --host:PORT, stage r's control socket on PORT+r")
+
+    st = sub.add_parser("stage", help="one PP stage in its own process / pod, joining a pipeline head")
+    st.add_argument("--checkpoint", required=True, help="the same checkpoint as the head's")
+    st.add_argument("--head", required=True, metavar="HOST:PORT", help="the head's --host and --remote-stages")
+    st.add_argument("--pp-rank", type=int, required=True)
+    st.add_argument("--host", default="127.0.0.1", help="this stage's address (its KV side channel binds here)")
+    st.add_argument("--connect-timeout", type=float, default=600.0)
+    st.set_defaults(func=cmd_stage)
 
     dc = sub.add_parser("decode", help="a decode engine on the reference engine (TP rank processes)")
     add_worker_options(dc)

@@ -4,6 +4,8 @@ KV hand-off over Mooncake TCP or ZMQ; greedy output compared with HF transformer
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -200,3 +202,79 @@ async def test_real_stage_enrolls_itself_and_its_death_takes_the_pipeline_out(ck
             await runner.cleanup()
     finally:
         pre.stop()
+
+
+def free_port_run(n: int) -> int:
+    """A base port with n consecutive free ports after it (the head's store + one per stage)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected):
+    """One process per stage, as one pod per stage runs in Kubernetes: `mesh stage` x2 join the
+    head (`mesh prefill --remote-stages PORT`) over TCP; output equals HF; each stage enrolls its
+    own liveness; a lost stage takes the head down (exit 3) and the other stage with it."""
+    import orjson as _orjson
+
+    from mesh.etcd import EtcdConfig, open_client
+
+    cluster = "c-remote-stages"
+    port = free_port_run(3)
+    common = ["--checkpoint", str(ckpt), "--dtype", "float64", "--block-size", "4", "--num-blocks", str(NUM_BLOCKS),
+              "--max-batch-tokens", "32", "--kv-backend", "zmq", "--etcd", etcd_server.url, "--cluster", cluster,
+              "--ttl", "3"]
+    procs = []
+    try:
+        stages = [Proc([MESH_BIN, "stage", "--checkpoint", str(ckpt), "--head", f"127.0.0.1:{port}", "--pp-rank",
+                        str(r)], f"stage {r} joining", timeout=60) for r in (1, 2)]
+        procs += stages
+        head = Proc([MESH_BIN, "prefill", *common, "--pp-size", "3", "--remote-stages", str(port)], "ready",
+                    timeout=120)
+        procs.append(head)
+        procs.append(Proc([MESH_BIN, "decode", *common, "--tp-size", "2"], "ready", timeout=120))
+        procs.append(Proc([MESH_BIN, "serve", "--port", "0", "--etcd", etcd_server.url, "--cluster", cluster],
+                          "mesh ", timeout=60))
+        url = procs[-1].lines[-1].split()[1]
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "mesh never became ready"
+            time.sleep(0.1)
+        with httpx.Client(timeout=60) as c:
+            for stream in (False, True):
+                for p in PROMPTS:
+                    r = c.post(url + "/v1/completions", json=body("c", p, stream))
+                    assert r.status_code == 200, r.text
+                    assert ids_of(r.content, stream) == expected[("c", p)], (p, stream)
+
+        async def stage_pids() -> dict[str, int]:
+            cfg = EtcdConfig.from_url(etcd_server.url, cluster=cluster)
+            cl = open_client(cfg)
+            kvs = (await cl.get_prefix((cfg.keys.root + "prefill/").encode())).kvs
+            await cl.close()
+            return {x.key.decode().rsplit("/", 1)[1]: _orjson.loads(x.value)["pid"] for x in kvs if b"/stage/" in x.key}
+
+        assert asyncio.run(stage_pids()) == {"0": head.p.pid, "1": stages[0].p.pid, "2": stages[1].p.pid}
+        os.kill(stages[1].p.pid, signal.SIGKILL)
+        assert head.p.wait(30) == 3  # the head withdrew and exited: its supervisor restarts the pipeline
+        # the surviving stage exits too: told to stop by the leaving head (0), or seeing it gone (3)
+        assert stages[0].p.wait(30) in (0, 3)
+    finally:
+        for p in procs[::-1]:
+            p.stop()

@@ -29,7 +29,8 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
         from workers.engine.pp import PPEngine
         from workers.prefill import PrefillServer
 
-        engine: Any = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host)
+        engine: Any = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
+                               remote_port=a.remote_stages)
         wid = a.id or f"prefill-{a.host}-{a.port}"
         server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl)
     else:
@@ -69,25 +70,32 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
                 raise RuntimeError(f"stage {st.pp_rank} could not enroll: {answer}")
     print(f"{role} {url}", flush=True)
     print("ready", flush=True)
-    watch = asyncio.create_task(_watch_ranks(engine, server, enrollment))
+    watch = asyncio.create_task(_watch_ranks(engine, server, enrollment, stop))
     try:
         await stop.wait()
-        if enrollment is not None:
-            await enrollment.drain()
+        if enrollment is not None:  # a broken engine has nothing to drain: just leave
+            await (enrollment.close() if server.failed else enrollment.drain())
     finally:
         watch.cancel()
         await runner.cleanup()
 
 
-async def _watch_ranks(engine: Any, server: Any, enrollment: Enrollment | None) -> None:
-    """A stage or rank process that dies takes the worker out: health 503, liveness withdrawn."""
+async def _watch_ranks(engine: Any, server: Any, enrollment: Enrollment | None, stop: asyncio.Event) -> None:
+    """A stage or rank process that dies takes the worker out: health 503, liveness withdrawn.
+    With remote stages the head then exits (status 3), so its supervisor restarts the pipeline."""
     while True:
         await asyncio.sleep(0.5)
         ranks = getattr(engine, "ranks", None)
-        dead = [p for p in (ranks.procs if ranks else []) if not p.is_alive()]
-        if dead and not server.failed:
-            server.failed = f"{dead[0].name} died with exit code {dead[0].exitcode}"
-            log.error("%s: withdrawing this worker", server.failed)
+        why = ranks.dead() if ranks is not None else None
+        if why and not server.failed:
+            server.failed = why
+            log.error("%s: withdrawing this worker", why)
             if enrollment is not None:
                 for g in enrollment.keeper.groups.values():
                     await enrollment.keeper.withdraw(g)
+            if ranks.remote:
+                EXIT["code"] = 3
+                stop.set()
+
+
+EXIT = {"code": 0}  # set when the worker must exit non-zero (a remote stage was lost)

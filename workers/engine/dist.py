@@ -11,19 +11,22 @@ A rank that dies is reported (`RankDied`) rather than waited on forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import zmq
+import zmq.utils.monitor as zmq_monitor
 
 from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
@@ -44,8 +47,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_group(rank: int, world: int, port: int) -> Any:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=TIMEOUT)
+def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1") -> Any:
+    """A gloo group on a TCPStore at host:port (rank 0 serves it). Across hosts, gloo binds the
+    address the host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT)
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = TIMEOUT
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
+        return dist.ProcessGroupGloo(store, rank, world, opts)
     return dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
 
 
@@ -69,23 +80,86 @@ class RankSpec:
     ctrl_port: int
     kv_backend: str | None = None     # set: register the pools, serve KV (pp stages) and report how
     kv_host: str = "127.0.0.1"
+    head: str = "127.0.0.1"           # where rank 0's store and control sockets listen
 
 
 def _rank_main(spec: RankSpec, ready: Any) -> None:
-    """A spawned rank: build, ack, serve commands until `stop`."""
+    """A spawned rank: connect to rank 0, then build, ack and serve."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{spec.ctrl_port}")
+    try:
+        _serve_rank(spec, sock, ready.put)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def serve_remote_stage(head: str, port: int, pp_rank: int, checkpoint: str, kv_host: str,
+                       connect_timeout: float = 600.0) -> None:
+    """`mesh stage`: one PP stage in its own process (its own pod), joining the pipeline whose
+    head (`mesh prefill --remote-stages PORT`) listens at head:port. The head sends the spec; the
+    stage builds its layers, joins the gloo group, acks, and serves until `stop` or until the
+    head is gone (then it exits, to be restarted and join the next head)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    _heartbeats(sock)
+    sock.connect(f"tcp://{head}:{port + pp_rank}")
+    sock.send(pickle.dumps(("hello", pp_rank)))
+    try:
+        if not sock.poll(int(connect_timeout * 1000)):
+            raise RankDied(f"no pipeline head answered at {head}:{port + pp_rank} within {connect_timeout:g}s")
+        spec = pickle.loads(sock.recv())
+        spec = dataclasses.replace(spec, checkpoint=checkpoint, kv_host=kv_host, head=head)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            _serve_rank(spec, sock, lambda msg: sock.send(pickle.dumps(msg)), monitor)
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _heartbeats(s: zmq.Socket) -> None:
+    """ZMTP heartbeats: a peer on another host that vanished without a reset is noticed."""
+    s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    s.setsockopt(zmq.HEARTBEAT_TTL, 6000)
+
+
+def _disconnected(monitor: zmq.Socket | None) -> bool:
+    while monitor is not None and monitor.poll(0):
+        if zmq_monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+    return False
+
+
+def _withdraw(enrollment: Any, kv_loop: Any) -> None:
+    """Deregister this stage's liveness key (its lease would expire anyway)."""
+    if enrollment is not None and kv_loop is not None:
+        try:
+            asyncio.run_coroutine_threadsafe(enrollment.close(), kv_loop).result(10)
+        except Exception:  # noqa: BLE001 - its lease expires anyway
+            pass
+
+
+def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
+                monitor: zmq.Socket | None = None) -> None:
+    """Build this rank's slice, ack ("ready", rank, info) or ("error", traceback), serve commands."""
     try:
         torch.set_num_threads(1)
         mc = ModelConfig.load(spec.checkpoint)
-        group = make_group(spec.rank, spec.world, spec.store_port)
+        group = make_group(spec.rank, spec.world, spec.store_port, spec.head)
         weights = load_weights(spec.checkpoint, mc, spec.par, spec.engine.torch_dtype)
         model = LlamaStage(mc, spec.par, weights, all_reduce_fn(group) if spec.kind == "tp" else None)
         pool = KVPool(len(model.layer_ids), spec.engine.num_blocks, model.kv_heads, spec.engine.block_size,
                       mc.head_dim, spec.engine.torch_dtype)
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PAIR)
-        sock.connect(f"tcp://127.0.0.1:{spec.ctrl_port}")
     except Exception:  # noqa: BLE001 - reported to the parent, which fails clearly
-        ready.put(("error", traceback.format_exc()))
+        ack(("error", traceback.format_exc()))
         return
     info: dict[str, Any] = {}
     kv_loop = None
@@ -100,18 +174,19 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
                 info["kv_port"], kv_loop = start_stage_thread(ep, spec.kv_host, spec.par.pp_rank,
                                                               spec.par.layer_start, spec.par.layer_end)
         except Exception:  # noqa: BLE001 - reported to the parent
-            ready.put(("error", traceback.format_exc()))
+            ack(("error", traceback.format_exc()))
             return
-    ready.put(("ready", spec.rank, info))
+    ack(("ready", spec.rank, info))
     dtype = spec.engine.torch_dtype
     while True:
+        if monitor is not None and not sock.poll(1000):
+            if _disconnected(monitor):
+                _withdraw(enrollment, kv_loop)
+                raise RankDied(f"stage {spec.rank}: the pipeline head at {spec.head} is gone")
+            continue
         cmd, *args = pickle.loads(sock.recv())
         if cmd == "stop":
-            if enrollment is not None and kv_loop is not None:  # deregister this stage's liveness
-                try:
-                    asyncio.run_coroutine_threadsafe(enrollment.close(), kv_loop).result(10)
-                except Exception:  # noqa: BLE001 - its lease expires anyway
-                    pass
+            _withdraw(enrollment, kv_loop)
             break
         if cmd == "enroll":  # this stage's own liveness key, under its own lease, kept by this process
             try:
@@ -144,52 +219,105 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
             sock.send(pickle.dumps(pool.layers[layer][torch.tensor(blocks)].clone()))
         elif cmd == "ping":
             sock.send(pickle.dumps("pong"))
-    sock.close(0)
-    ctx.term()
 
 
 class Ranks:
-    """Rank 0's side: spawns ranks 1..world-1, holds rank 0's group and their control sockets."""
+    """Rank 0's side: ranks 1..world-1 (spawned here, or remote stages that connect), rank 0's
+    group, and a control socket per rank.
+
+    `remote_port` set: nothing is spawned; stage r (`mesh stage --head HOST:PORT --pp-rank r`)
+    connects to this host's `remote_port + r`, gets its spec, and the gloo store listens on
+    `remote_port` (bound on `bind_host`)."""
 
     def __init__(self, kind: str, checkpoint: str | Path, engine: EngineConfig, pars: list[Parallel],
-                 start_timeout: float = 120.0, kv_backend: str | None = None, kv_host: str = "127.0.0.1") -> None:
+                 start_timeout: float = 120.0, kv_backend: str | None = None, kv_host: str = "127.0.0.1",
+                 remote_port: int | None = None, bind_host: str = "127.0.0.1") -> None:
         self.kind = kind
         self.world = len(pars)
-        store_port = free_port()
-        mpctx = mp.get_context("spawn")
-        self._ready = mpctx.Queue()
+        self.remote = remote_port is not None
         self._zctx = zmq.Context()
         self.socks: list[zmq.Socket] = []
+        self.monitors: list[zmq.Socket] = []
         self.procs: list[Any] = []
+        self.infos: dict[int, dict[str, Any]] = {}
+        self._ready: Any = None
+        self._lost: set[int] = set()
+        specs = []
+        store_port = remote_port if remote_port is not None else free_port()
         for r in range(1, self.world):
             s = self._zctx.socket(zmq.PAIR)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDTIMEO, 500)
-            port = s.bind_to_random_port("tcp://127.0.0.1")
+            if self.remote:
+                _heartbeats(s)
+                s.bind(f"tcp://{bind_host}:{store_port + r}")
+                port = store_port + r
+            else:
+                port = s.bind_to_random_port("tcp://127.0.0.1")
             self.socks.append(s)
-            spec = RankSpec(kind, str(checkpoint), engine, pars[r], r, self.world, store_port, port,
-                            kv_backend, kv_host)
-            p = mpctx.Process(target=_rank_main, args=(spec, self._ready), name=f"atomesh-{kind}-rank{r}",
+            specs.append(RankSpec(kind, str(checkpoint), engine, pars[r], r, self.world, store_port, port,
+                                  kv_backend, kv_host))
+        try:
+            if self.remote:
+                self._join_remote(specs, start_timeout, bind_host)
+            else:
+                self._spawn(specs, start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, specs: list[RankSpec], start_timeout: float) -> None:
+        mpctx = mp.get_context("spawn")
+        self._ready = mpctx.Queue()
+        for spec in specs:
+            p = mpctx.Process(target=_rank_main, args=(spec, self._ready), name=f"atomesh-{self.kind}-rank{spec.rank}",
                               daemon=True)
             p.start()
             self.procs.append(p)
-        self.group = make_group(0, self.world, store_port)
-        self.infos: dict[int, dict[str, Any]] = {}
-        for _ in range(1, self.world):
+        self.group = make_group(0, self.world, specs[0].store_port) if specs else None
+        for _ in specs:
             try:
                 status, *info = self._ready.get(timeout=start_timeout)
             except Exception:  # noqa: BLE001 - queue.Empty
-                self.close()
-                raise RankDied(f"a {kind} rank did not start within {start_timeout}s") from None
+                raise RankDied(f"a {self.kind} rank did not start within {start_timeout}s") from None
             if status != "ready":
-                self.close()
-                raise RankDied(f"a {kind} rank failed to start:\n{info[0]}")
+                raise RankDied(f"a {self.kind} rank failed to start:\n{info[0]}")
             self.infos[info[0]] = info[1]
 
-    def check(self) -> None:
+    def _join_remote(self, specs: list[RankSpec], start_timeout: float, bind_host: str) -> None:
+        for s, spec in zip(self.socks, specs):
+            if not s.poll(int(start_timeout * 1000)):
+                raise RankDied(f"stage {spec.rank} did not connect to {bind_host}:{spec.ctrl_port} "
+                               f"within {start_timeout:g}s (start it with mesh stage --pp-rank {spec.rank})")
+            hello = pickle.loads(s.recv())
+            if hello != ("hello", spec.rank):
+                raise RankDied(f"port {spec.ctrl_port} expects stage {spec.rank}, got {hello!r}")
+            self.monitors.append(s.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            s.send(pickle.dumps(spec))
+        self.group = make_group(0, self.world, specs[0].store_port, bind_host)
+        for s, spec in zip(self.socks, specs):
+            if not s.poll(int(start_timeout * 1000)):
+                raise RankDied(f"stage {spec.rank} did not get ready within {start_timeout:g}s")
+            status, *info = pickle.loads(s.recv())
+            if status != "ready":
+                raise RankDied(f"stage {spec.rank} failed to start:\n{info[0]}")
+            self.infos[info[0]] = info[1]
+
+    def dead(self) -> str | None:
+        """What died, if a rank did: a spawned process that exited, or a remote stage whose
+        connection dropped."""
         for p in self.procs:
             if not p.is_alive():
-                raise RankDied(f"{p.name} died with exit code {p.exitcode}")
+                return f"{p.name} died with exit code {p.exitcode}"
+        for r, mon in enumerate(self.monitors, start=1):
+            if _disconnected(mon):
+                self._lost.add(r)
+        return f"remote stage {min(self._lost)} disconnected" if self._lost else None
+
+    def check(self) -> None:
+        why = self.dead()
+        if why:
+            raise RankDied(why)
 
     def _send(self, s: zmq.Socket, data: bytes) -> None:
         """A PAIR socket blocks a send while its peer is gone: wait in slices, checking the ranks."""
@@ -218,20 +346,24 @@ class Ranks:
         return pickle.loads(s.recv())
 
     def close(self) -> None:
-        for s, p in zip(self.socks, self.procs):
-            if p.is_alive():
-                try:
-                    s.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+        for s in self.socks:
+            try:
+                s.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         for p in self.procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        for s, m in zip(self.socks, self.monitors):
+            s.disable_monitor()
+            m.close(0)
         for s in self.socks:
             s.close(0)
         self.socks.clear()
+        self.monitors.clear()
         self._zctx.term()
-        self._ready.close()
-        self._ready.join_thread()
+        if self._ready is not None:
+            self._ready.close()
+            self._ready.join_thread()
