@@ -33,6 +33,7 @@ from mesh.metrics import Metrics
 from mesh.openapi import document as _openapi_document
 from mesh.proxy import Background, Proxy
 from mesh.request import check_request_id, parse
+from mesh.tracing import Tracing
 from mesh.snapshot import RoutingTable
 from mesh.upstream import Upstream
 from policies import Policy, create
@@ -70,6 +71,7 @@ class MeshState:
 
 
 STATE = web.AppKey("atomesh_state", MeshState)
+TRACING = web.AppKey("atomesh_tracing", object)  # a mesh.tracing.Tracing, or None
 OPENAPI = _openapi_document()
 
 
@@ -238,7 +240,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
                                     auto_decompress=False)
     upstream = Upstream(session, st.fleet, st.metrics, cfg.timeouts)
-    st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id, st.ledger)
+    st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id, st.ledger,
+                     app[TRACING])
     st.ledger.upstream = upstream
     await st.fleet.registry.start(st.fleet.on_membership)
     await st.fleet.probe_all(session, timeout=min(2.0, cfg.health_interval * 2))
@@ -288,7 +291,10 @@ async def _enroll_replica(keeper: Any) -> None:
     await keeper.run()
 
 
-def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str | None = None) -> web.Application:
+def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str | None = None,
+               tracer_provider: Any = None) -> web.Application:
+    """The mesh. `tracer_provider`: OpenTelemetry spans go there (else to the global SDK provider
+    when one is configured; else no tracing)."""
     if registry is None and cfg.etcd is not None:
         from mesh.etcd_registry import EtcdRegistry
 
@@ -320,6 +326,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     app = web.Application(middlewares=[errors_middleware, admin_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[STATE] = st
+    app[TRACING] = Tracing.from_env(tracer_provider)
     app.cleanup_ctx.append(_runtime)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

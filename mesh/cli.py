@@ -132,6 +132,14 @@ async def _serve(cfg: MeshConfig, stop: asyncio.Event, announce: str | None = No
 
 def cmd_serve(a: argparse.Namespace) -> None:
     cfg = build_config(a)
+    if a.otel:
+        try:
+            from mesh.tracing import setup_sdk
+
+            setup_sdk()
+        except ImportError as e:
+            raise ConfigError(f"--otel needs opentelemetry-sdk (and the exporter OTEL_TRACES_EXPORTER names): "
+                              f"{e}") from None
     _run(lambda stop: _serve(cfg, stop))
 
 
@@ -435,6 +443,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "
                    "(or ATOMESH_ADMIN_TOKEN)")
+    s.add_argument("--otel", action="store_true", help="OpenTelemetry spans, exported as the OTEL_* variables say "
+                   "(OTEL_TRACES_EXPORTER=otlp|console); a provider set up by opentelemetry-instrument works "
+                   "without this flag")
     add_etcd_options(s)
     s.set_defaults(func=cmd_serve)
 

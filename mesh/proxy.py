@@ -42,6 +42,7 @@ from mesh.request import ClientRequest
 from mesh.sse import Answer
 from mesh.snapshot import View, Worker
 from mesh.h1 import H1Error, H1Response
+from mesh.tracing import KV_PULL_HEADER, Tracing
 from mesh.upstream import Upstream, upstream_status_error
 from policies import Policy
 
@@ -99,7 +100,8 @@ def error_event(err: MeshError) -> bytes:
 
 class Proxy:
     def __init__(self, cfg: MeshConfig, fleet: Fleet, upstream: Upstream, metrics: Metrics,
-                 policies: dict[str, Policy], background: Background, mesh_id: str, ledger: Ledger) -> None:
+                 policies: dict[str, Policy], background: Background, mesh_id: str, ledger: Ledger,
+                 tracing: Tracing | None = None) -> None:
         self.cfg = cfg
         self.fleet = fleet
         self.up = upstream
@@ -110,8 +112,39 @@ class Proxy:
         self.ledger = ledger
         self.load = MappingProxyType(fleet.in_flight)
         self.kv_free = MappingProxyType(fleet.kv_free)
+        self.tracing = tracing
         self.handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]] = (
             self.pd if cfg.pd else self.regular)
+        if tracing is not None:
+            self.handle = self._traced(self.handle)
+
+    def _traced(self, handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]]
+                ) -> Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]]:
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def traced(request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+            with tracing.request(creq.request_id, creq.path, creq.model, creq.stream) as span:
+                try:
+                    resp = await handle(request, creq)
+                except MeshError as e:
+                    span.set_attribute("http.response.status_code", e.status)
+                    tracing.end_error(span, e)
+                    raise
+                span.set_attribute("http.response.status_code", resp.status)
+                return resp
+        return traced
+
+    def _leg(self, name: str, creq: ClientRequest, w: Worker, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
+        """A leg's span and the headers that carry it (the same headers when tracing is off)."""
+        if self.tracing is None:
+            return None, headers
+        h = dict(headers)
+        return self.tracing.start_leg(name, creq.request_id, w, h), h
+
+    def _end(self, span: Any, error: BaseException | None = None) -> None:
+        if span is not None:
+            self.tracing.end(span, error)  # type: ignore[union-attr]
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with full jitter, capped at 1 s."""
@@ -174,10 +207,13 @@ class Proxy:
         ledger = self.ledger if atom else UNTRACKED  # vLLM engines free their KV themselves
         e = ledger.begin(creq.request_id, pw)
         body = prefill_body(creq.body, dw, self.mesh_id) if atom else vllm_prefill_body(creq.body)
+        span, ph = self._leg("prefill", creq, pw, headers)
         try:
-            pres = await self.up.post_json("prefill", pw, creq.path, body, headers, self.cfg.timeouts.prefill,
+            pres = await self.up.post_json("prefill", pw, creq.path, body, ph, self.cfg.timeouts.prefill,
                                            settle=False)
+            self._end(span)
         except MeshError as err:
+            self._end(span, err)
             # a prefill that answered with an error (or never connected) holds nothing; one cut
             # off mid-flight may: only the first kind is retried, on a new pair
             sure = bool(getattr(err, "answered", False))
@@ -185,7 +221,8 @@ class Proxy:
             if sure and err.status >= 500:
                 raise RePair(err, pipeline=pw) from None
             raise
-        except BaseException:  # cancelled by a client that left
+        except BaseException as err:  # cancelled by a client that left
+            self._end(span, err)
             ledger.prefill_failed(e, uncertain=True)
             raise
         t1 = asyncio.get_running_loop().time()
@@ -219,15 +256,24 @@ class Proxy:
         else:  # vllm: the prefill's params verbatim; the decode engine writes every token itself
             dbody["kv_transfer_params"] = kv
         data = orjson.dumps(dbody)
+        span, dh = self._leg("decode", creq, dw, headers)
+        if span is not None and isinstance(kv, KVHandoffParams):
+            span.set_attribute("atomesh.kv.transfer_id", kv.transfer_id)
+            span.set_attribute("atomesh.kv.blocks", len(kv.remote_block_ids))
         try:
             if fte:
                 early = await self._send_first_token(request, creq, pres, kv, meta, t0)
-            dw, resp, first = await self._open_with_retry("decode", dw, creq, data, headers)
+            t_open = time.time_ns()
+            dw, resp, first = await self._open_with_retry("decode", dw, creq, data, dh)
             self.fleet.succeeded(pw.id)  # the decode has its KV: the pipeline served well
-        except (asyncio.CancelledError, ConnectionResetError):  # the client left before decode had the KV
+            if span is not None:
+                self.tracing.kv_pull(creq.request_id, dw, t_open, resp.headers.get(KV_PULL_HEADER))  # type: ignore[union-attr]
+        except (asyncio.CancelledError, ConnectionResetError) as err:  # the client left before decode had the KV
+            self._end(span, err)
             self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
             raise
         except Exception as err:
+            self._end(span, err)
             # freed before the client hears of the failure
             await ledger.reclaim(e, "decode-failed")
             if isinstance(err, KVSourceLost):  # the pipeline, not the decode engine, is at fault
@@ -246,14 +292,19 @@ class Proxy:
             return await self._relay(request, creq, dw, resp, first, t0, t1, early)
         finally:
             ledger.decode_done(e)
+            self._end(span)
 
     async def _pd_sglang(self, request: web.Request, creq: ClientRequest, headers: dict[str, str],
                          t0: float, pw: Worker, dw: Worker) -> web.StreamResponse:
         """Dialect `sglang`: both legs at once, meeting on a bootstrap room; the decode answers."""
         pbody, dbody = sglang_bodies(creq.body, pw)
-        pre = asyncio.ensure_future(self.up.post_json("prefill", pw, creq.path, pbody, headers,
+        pspan, ph = self._leg("prefill", creq, pw, headers)
+        dspan, dh = self._leg("decode", creq, dw, headers)
+        pre = asyncio.ensure_future(self.up.post_json("prefill", pw, creq.path, pbody, ph,
                                                       self.cfg.timeouts.prefill, settle=False))
-        dec = asyncio.ensure_future(self._open("decode", dw, creq, orjson.dumps(dbody), headers))
+        if pspan is not None:
+            pre.add_done_callback(lambda f: self._end(pspan, None if f.cancelled() else f.exception()))
+        dec = asyncio.ensure_future(self._open("decode", dw, creq, orjson.dumps(dbody), dh))
         try:
             done, _ = await asyncio.wait((pre, dec), return_when=asyncio.FIRST_COMPLETED)
             if dec not in done and pre.exception() is not None:
@@ -267,13 +318,17 @@ class Proxy:
                 resp, first = await dec
             except (UpstreamError, UpstreamTimeout) as err:
                 raise RePair(err, decode=dw) from None
-        except BaseException:
+        except BaseException as err:
+            self._end(dspan, err)
             for t in (pre, dec):
                 t.cancel()
             await asyncio.gather(pre, dec, return_exceptions=True)
             raise
         self.bg.spawn(self._settle_prefill(pre, pw, t0))
-        return await self._relay(request, creq, dw, resp, first, t0, t0)
+        try:
+            return await self._relay(request, creq, dw, resp, first, t0, t0)
+        finally:
+            self._end(dspan)
 
     async def _settle_prefill(self, pre: asyncio.Future[dict[str, Any]], pw: Worker, t0: float) -> None:
         """An sglang prefill leg finishing beside its decode: time it, close its breaker if it went well."""

@@ -9,12 +9,14 @@ continues from the prefill's `first_token_id` (which is emitted, not sampled aga
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
 
 from mesh.errors import InvalidRequest, KVTransferError, ProtocolError
 from mesh.protocol import ConsumerRank, KVHandoffParams
+from mesh.tracing import KV_PULL_MS
 from workers.engine.tp import TPEngine
 from workers.kv.sidechannel import ConsumerChannel
 from workers.kv.stage import layout_extra, register_pool
@@ -77,6 +79,7 @@ class DecodeServer(EngineServer):
         except MemoryError as e:
             return error_response(503, f"decode KV pool: {e}", code="kv_exhausted")
         rid = request.headers.get("X-Request-Id", "")
+        t_pull = time.monotonic()
         try:
             await self.channel.pull(params, self.ranks(), tuple(dst), request_id=rid,
                                     deadline_s=self.pull_deadline_s, extra={"layout": self.layout})
@@ -87,6 +90,7 @@ class DecodeServer(EngineServer):
             await self.call(self.tp.blocks.release, dst)
             raise
         self.pulls += 1
+        request[KV_PULL_MS] = (time.monotonic() - t_pull) * 1000
         for r in range(self.tp.tp_size):
             await self.channel.release(params, r)
         seq_id = self.new_id("dec")

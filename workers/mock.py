@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from mesh.protocol import (ConsumerRank, KVHandoffParams, KVRequestParams, LoadR
                            StageAddr, WriteRequest)
 from mesh.request import render_prompt
 from mesh.sse import Answer
+from mesh.tracing import KV_PULL_MS, kv_pull_header
 from workers.kv.holder import BlockPool, TransferHolder
 from workers.kv.sidechannel import ChannelFaults, ConsumerChannel, StageChannel
 
@@ -143,6 +145,7 @@ class _Worker:
         if self.dialect == "atom":  # vLLM and SGLang engines have no /load: the mesh probes /health
             app.router.add_get("/load", self._load)
         app.router.add_post("/mock/faults", self._set_faults)
+        app.on_response_prepare.append(kv_pull_header)
         self.add_routes(app)
         return app
 
@@ -464,12 +467,14 @@ class MockDecode(_Worker):
         rid = request.headers.get("X-Request-Id", "")
         if self.faults.crash_before_pull and self.rng.random() < self.faults.crash_before_pull:
             return _crash_response(request)
+        t_pull = time.monotonic()
         try:
             await self.channel.pull(params, self.ranks(), params.remote_block_ids, request_id=rid,
                                     deadline_s=self.pull_deadline_s)
         except KVTransferError as e:
             self.pulls_failed += 1
             return _error(502, e.message, None, code="kv_transfer_failed")
+        request[KV_PULL_MS] = (time.monotonic() - t_pull) * 1000
         if self.faults.crash_after_pull and self.rng.random() < self.faults.crash_after_pull:
             return _crash_response(request)
         for r in range(self.tp_size):

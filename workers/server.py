@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable
 import orjson
 from aiohttp import web
 
+from mesh.tracing import kv_pull_header
 from mesh.errors import InvalidRequest, MeshError, error_body
 from mesh.protocol import LoadReport
 from workers.engine.engine import Engine, StepOutput
@@ -99,6 +100,7 @@ class EngineServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/load", self._load)
+        app.on_response_prepare.append(kv_pull_header)
         self.add_routes(app)
         app.cleanup_ctx.append(self._lifecycle)
         return app
