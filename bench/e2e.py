@@ -2,6 +2,8 @@
 with and without first-token-early, side by side in one run.
 
     .venv/bin/python bench/e2e.py [--prompt-len 256] [--new-tokens 32] [--requests 20] [--concurrency 1,4]
+    python3 bench/e2e.py --device cuda --dtype bfloat16 --size large --kv-backend zmq \
+        --prompt-len 512 --new-tokens 64 --requests 32 --concurrency 1,16   # the H200 run
 
 Starts (as processes) a PP=2 prefill pipeline and a TP=2 decode engine (Mooncake TCP), two
 meshes over them (first-token-early on / off), and a monolithic engine (`mesh decode --tp-size 1`
@@ -26,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.engine import SIZES  # noqa: E402
 from bench.procs import MESH, start  # noqa: E402
 from mesh.loadgen import BenchConfig, run  # noqa: E402
 from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
@@ -45,7 +48,8 @@ def measure(url: str, n_requests: int, prompt_len: int, n: int, conc: int) -> di
     tt = [x * 1e3 for x in r.ttft]
     tp = [x * 1e3 for x in r.tpot]
     return {"ttft_p50_ms": round(statistics.median(tt), 2), "ttft_mean_ms": round(statistics.mean(tt), 2),
-            "tpot_p50_ms": round(statistics.median(tp), 2)}
+            "tpot_p50_ms": round(statistics.median(tp), 2), "output_tok_s": round(r.tokens / r.seconds, 1),
+            "errors": sum(r.errors.values()) if isinstance(r.errors, dict) else r.errors}
 
 
 def main() -> None:
@@ -54,23 +58,31 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq"])
+    ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--out", help="results JSON (default bench/results/e2e-<time>.json)")
     a = ap.parse_args()
+    import torch
+
     d = Path(tempfile.mkdtemp(prefix="atomesh-e2e-")) / "bench-llama"
-    generate(d, tiny_config(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                            num_key_value_heads=4, head_dim=32), seed=0)
-    common = ["--checkpoint", str(d), "--num-blocks", "2048", "--max-batch-tokens", "1024"]
+    generate(d, tiny_config(**SIZES[a.size]), seed=0, dtype=getattr(torch, a.dtype))
+    common = ["--checkpoint", str(d), "--num-blocks", str(a.num_blocks), "--max-batch-tokens", "2048",
+              "--device", a.device, "--dtype", a.dtype, "--kv-backend", a.kv_backend]
     procs = []
     try:
-        p, (pre,) = _url(start([MESH, "prefill", *common, "--pp-size", "2"], "prefill "))
+        p, (pre,) = _url(start([*MESH, "prefill", *common, "--pp-size", "2"], "prefill "))
         procs.append(p)
-        p, (dec,) = _url(start([MESH, "decode", *common, "--tp-size", "2"], "decode "))
+        p, (dec,) = _url(start([*MESH, "decode", *common, "--tp-size", "2"], "decode "))
         procs.append(p)
-        p, (mono,) = _url(start([MESH, "decode", *common, "--tp-size", "1"], "decode "))
+        p, (mono,) = _url(start([*MESH, "decode", *common, "--tp-size", "1"], "decode "))
         procs.append(p)
-        p, (mesh_on,) = _url(start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
+        p, (mesh_on,) = _url(start([*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
                                     "--decode", dec], "mesh "))
         procs.append(p)
-        p, (mesh_off,) = _url(start([MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
+        p, (mesh_off,) = _url(start([*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
                                      "--decode", dec, "--no-first-token-early"], "mesh "))
         procs.append(p)
         rows = []
@@ -79,8 +91,10 @@ def main() -> None:
                 r = {"setup": name, "concurrency": conc, **measure(url, a.requests, a.prompt_len, a.new_tokens, conc)}
                 rows.append(r)
                 print(f"c={conc} {name:22} TTFT p50 {r['ttft_p50_ms']:8.2f} ms  mean {r['ttft_mean_ms']:8.2f} ms   "
-                      f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms", flush=True)
-        out = ROOT / "bench" / "results" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.json"
+                      f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms   {r['output_tok_s']:8.1f} tok/s  errors {r['errors']}",
+                      flush=True)
+        out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
         print(f"wrote {out}")
     finally:

@@ -1,11 +1,18 @@
-"""Engine throughput: prefill and decode tokens/s at batch 1, 8 and 32, against HF `generate`
-on the same weights, side by side in one run.
+"""Engine throughput: prefill and decode tokens/s per batch size, against HF `generate` on the
+same weights and device, side by side in one run; on a GPU also against the floor.
 
     .venv/bin/python bench/engine.py [--prompt-len 128] [--new-tokens 64] [--batches 1,8,32]
+    python3 bench/engine.py --device cuda --dtype bfloat16 --size large --batches 1,8,32,64 \
+        --prompt-len 512 --new-tokens 128                      # the H200 run in docs/benchmarks.md
 
-The model is a small seeded Llama (written to a temp dir). Prefill: time to the first token of
-every prompt (engine: chunked prefill with a budget covering the whole batch; HF: one forward).
-Decode: the rest of the generation. Results also go to bench/results/engine-*.json.
+The model is a seeded random Llama (written to a temp dir): `small` (hidden 256, 4 layers) or
+`large` (hidden 2048, 16 layers, 16 heads / 8 KV heads, MLP 5632, vocab 32000: 1.0 B parameters).
+Prefill: time to the first token of every prompt (engine: chunked prefill with a budget covering
+the whole batch; HF: one forward). Decode: the rest of the generation.
+Floor (GPU): a decode step must read every weight and the batch's KV once, so its time is at
+least (weight bytes + KV bytes) / memory bandwidth; prefill must do 2 x parameters x tokens
+FLOPs at the bf16 matrix rate. Both rates are measured in the same run (a device copy, an
+8192^3 matmul). Results also go to bench/results/engine-*.json (or --out).
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.sampling import SamplingParams  # noqa: E402
 
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def engine_run(eng: Engine, prompts: list[list[int]], new: int) -> tuple[float, float]:
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -45,18 +57,55 @@ def engine_run(eng: Engine, prompts: list[list[int]], new: int) -> tuple[float, 
     return t_prefill, total - t_prefill
 
 
-def hf_run(model, prompts: list[list[int]], new: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    ids = torch.tensor(prompts)
+def hf_run(model, prompts: list[list[int]], new: int, device: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
     with torch.no_grad():
+        sync(device)
         t0 = time.perf_counter()
         model(ids, attention_mask=mask)
+        sync(device)
         t_prefill = time.perf_counter() - t0
         t0 = time.perf_counter()
         model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                        pad_token_id=0)
+        sync(device)
         total = time.perf_counter() - t0
     return t_prefill, max(total - t_prefill, 1e-9)
+
+
+def ceilings(device: str) -> dict[str, float]:
+    """Measured memory bandwidth (bytes/s, read + write of a device copy) and bf16 matmul rate."""
+    x = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    bw = 2 * x.numel() * 2 * 10 / (time.perf_counter() - t0)
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    flops = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
+    return {"bandwidth_Bps": bw, "bf16_flops": flops}
+
+
+SIZES = {
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32),
+    "large": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096),
+}
 
 
 def main() -> None:
@@ -64,34 +113,65 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--out", help="results JSON (default bench/results/engine-<time>.json)")
     a = ap.parse_args()
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
+    dtype = getattr(torch, a.dtype)
     d = tempfile.mkdtemp(prefix="atomesh-bench-")
-    mc = tiny_config(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                     num_key_value_heads=4, head_dim=32)
-    generate(d, mc, seed=0)
-    hf = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa").eval()
+    mc = tiny_config(**SIZES[a.size])
+    generate(d, mc, seed=0, dtype=dtype)
+    hf = LlamaForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
+    weight_bytes = n_params * hf.dtype.itemsize
+    ceil = ceilings(a.device) if a.device.startswith("cuda") else None
+    if ceil:
+        print(f"{n_params / 1e9:.2f} B parameters ({weight_bytes / 1e9:.2f} GB); measured "
+              f"{ceil['bandwidth_Bps'] / 1e12:.2f} TB/s copy, {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s bf16", flush=True)
+    kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     rows = []
     for b in [int(x) for x in a.batches.split(",")]:
         prompts = [[(7 * i + j) % 250 for j in range(a.prompt_len)] for i in range(b)]
         need = b * (-(-(a.prompt_len + a.new_tokens) // 16)) + 8
-        eng = Engine(d, EngineConfig(dtype="float32", block_size=16, num_blocks=need, max_num_seqs=max(b, 1),
-                                     max_batch_tokens=max(512, b * a.prompt_len)))
+        eng = Engine(d, EngineConfig(dtype=a.dtype, block_size=16, num_blocks=need, max_num_seqs=max(b, 1),
+                                     max_batch_tokens=max(512, b * a.prompt_len), device=a.device))
         engine_run(eng, prompts[:1], 4)  # warm-up
+        hf_run(hf, prompts[:1], 4, a.device)
         ep, ed = engine_run(eng, prompts, a.new_tokens)
-        hp, hd = hf_run(hf, prompts, a.new_tokens)
+        hp, hd = hf_run(hf, prompts, a.new_tokens, a.device)
+        steps = a.new_tokens - 1
         r = {"batch": b, "engine_prefill_tok_s": round(b * a.prompt_len / ep), "hf_prefill_tok_s": round(b * a.prompt_len / hp),
-             "engine_decode_tok_s": round(b * (a.new_tokens - 1) / ed), "hf_decode_tok_s": round(b * (a.new_tokens - 1) / hd)}
+             "engine_decode_tok_s": round(b * steps / ed), "hf_decode_tok_s": round(b * steps / hd)}
         r["prefill_ratio"] = round(r["engine_prefill_tok_s"] / r["hf_prefill_tok_s"], 3)
         r["decode_ratio"] = round(r["engine_decode_tok_s"] / r["hf_decode_tok_s"], 3)
+        line = (f"batch {b:3}: prefill engine {r['engine_prefill_tok_s']:8} tok/s  hf {r['hf_prefill_tok_s']:8} tok/s "
+                f"(x{r['prefill_ratio']})   decode engine {r['engine_decode_tok_s']:6} tok/s  hf {r['hf_decode_tok_s']:6} "
+                f"tok/s (x{r['decode_ratio']})")
+        if ceil:
+            ctx = a.prompt_len + a.new_tokens / 2  # mean context over the decode steps
+            step_floor = (weight_bytes + b * ctx * kv_per_token) / ceil["bandwidth_Bps"]
+            prefill_floor = 2 * n_params * b * a.prompt_len / ceil["bf16_flops"]
+            r |= {"decode_step_ms": round(ed / steps * 1e3, 3), "decode_step_floor_ms": round(step_floor * 1e3, 3),
+                  "decode_floor_tok_s": round(b / step_floor), "decode_vs_floor": round(step_floor / (ed / steps), 3),
+                  "prefill_ms": round(ep * 1e3, 2), "prefill_floor_ms": round(prefill_floor * 1e3, 3),
+                  "prefill_vs_floor": round(prefill_floor / ep, 3)}
+            line += (f"\n           decode step {r['decode_step_ms']} ms vs floor {r['decode_step_floor_ms']} ms "
+                     f"({r['decode_vs_floor']:.0%} of the floor's speed); prefill {r['prefill_ms']} ms vs floor "
+                     f"{r['prefill_floor_ms']} ms ({r['prefill_vs_floor']:.0%})")
         rows.append(r)
-        print(f"batch {b:3}: prefill engine {r['engine_prefill_tok_s']:8} tok/s  hf {r['hf_prefill_tok_s']:8} tok/s "
-              f"(x{r['prefill_ratio']})   decode engine {r['engine_decode_tok_s']:6} tok/s  hf {r['hf_decode_tok_s']:6} "
-              f"tok/s (x{r['decode_ratio']})", flush=True)
-    out = ROOT / "bench" / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": vars(a), "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+        print(line, flush=True)
+        del eng
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = {"threads": torch.get_num_threads(), "params": n_params, "ceilings": ceil,
+            "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None}
+    out.write_text(json.dumps({"args": vars(a), **info, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 

@@ -136,10 +136,10 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
 
 
 async def main(a: argparse.Namespace) -> list[Result]:
-    fleet, lines = start([MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode)], "ready")
+    fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode)], "ready")
     prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
     decodes = [line.split()[1] for line in lines if line.startswith("decode ")]
-    cmd = [MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
+    cmd = [*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
            "--decode-policy", "round_robin", *a.mesh_args.split()]
     for u in prefills:
         cmd += ["--prefill", u]

@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-MESH = str(Path(sys.executable).parent / "mesh")
+_SCRIPT = Path(sys.executable).parent / "mesh"
+# the `mesh` command: the console script, or `python -m mesh` where none is installed (a GPU machine)
+MESH: list[str] = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "mesh"]
 
 
 def start(args: list[str], until: str, timeout: float = 180) -> tuple[subprocess.Popen[str], list[str]]:

@@ -38,12 +38,12 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def main(a: argparse.Namespace) -> dict:
-    fleet, lines = start([MESH, "mock-fleet", "--prefill", "4", "--decode", "4", "--pp-size", "2", "--tp-size", "2",
+    fleet, lines = start([*MESH, "mock-fleet", "--prefill", "4", "--decode", "4", "--pp-size", "2", "--tp-size", "2",
                           "--prefill-ms-per-token", "0.05", "--decode-ms-per-token", "5", "--jitter", "0.2",
                           "--kv-ttl", "60"], "ready")
     pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
     dec = [x.split()[1] for x in lines if x.startswith("decode ")]
-    args = [MESH, "--log-level", "ERROR", "serve", "--port", "0", "--max-concurrency", str(a.concurrency),
+    args = [*MESH, "--log-level", "ERROR", "serve", "--port", "0", "--max-concurrency", str(a.concurrency),
             "--max-queue", str(a.concurrency), "--queue-timeout", "2", "--ledger-grace", "2", "--health-interval", "1"]
     for u in pre:
         args += ["--prefill", u]

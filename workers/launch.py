@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def engine_config(a: Any) -> EngineConfig:
     return EngineConfig(block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
-                        max_batch_tokens=a.max_batch_tokens, dtype=a.dtype)
+                        max_batch_tokens=a.max_batch_tokens, dtype=a.dtype, device=getattr(a, "device", "cpu"))
 
 
 async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:

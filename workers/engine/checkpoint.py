@@ -31,8 +31,8 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def load_weights(checkpoint: str | Path, cfg: ModelConfig, par: Parallel,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF-named tensors for this stage's layers and this TP rank, cast to `dtype`."""
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """HF-named tensors for this stage's layers and this TP rank, cast to `dtype`, on `device`."""
     files = sorted(Path(checkpoint).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {checkpoint}")
@@ -60,12 +60,12 @@ def load_weights(checkpoint: str | Path, cfg: ModelConfig, par: Parallel,
                     t = st.get_tensor(name)
                 else:
                     continue
-                out[name] = t.to(dtype)
+                out[name] = t.to(device=device, dtype=dtype)
     return out
 
 
-def generate(path: str | Path, cfg: ModelConfig, seed: int = 0) -> Path:
-    """Write a seeded random Llama checkpoint in HF layout (float32)."""
+def generate(path: str | Path, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a seeded random Llama checkpoint in HF layout (float32, or `dtype`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -86,7 +86,8 @@ def generate(path: str | Path, cfg: ModelConfig, seed: int = 0) -> Path:
               p + "mlp.gate_proj.weight": rnd(i, h, std=0.1), p + "mlp.up_proj.weight": rnd(i, h, std=0.1),
               p + "mlp.down_proj.weight": rnd(h, i, std=0.1),
               p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1)}
-    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.to(dtype).contiguous() for k, v in t.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     return path
 

@@ -124,6 +124,8 @@ class EngineConfig:
             raise ValueError("block_size, num_blocks, max_num_seqs and max_batch_tokens must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -61,10 +61,16 @@ def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1") -> Any
 
 
 def all_reduce_fn(group: Any):  # type: ignore[no-untyped-def]
+    """Sum over the TP ranks with gloo: device tensors go through host memory (ranks may share one
+    GPU here, where NCCL needs distinct devices)."""
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        group.allreduce([t]).wait()
-        return t
+        if t.device.type == "cpu":
+            t = t.contiguous()
+            group.allreduce([t]).wait()
+            return t
+        h = t.cpu()
+        group.allreduce([h]).wait()
+        return h.to(t.device)
     return reduce
 
 
@@ -154,10 +160,11 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
         torch.set_num_threads(1)
         mc = ModelConfig.load(spec.checkpoint)
         group = make_group(spec.rank, spec.world, spec.store_port, spec.head)
-        weights = load_weights(spec.checkpoint, mc, spec.par, spec.engine.torch_dtype)
+        dev = spec.engine.device
+        weights = load_weights(spec.checkpoint, mc, spec.par, spec.engine.torch_dtype, dev)
         model = LlamaStage(mc, spec.par, weights, all_reduce_fn(group) if spec.kind == "tp" else None)
         pool = KVPool(len(model.layer_ids), spec.engine.num_blocks, model.kv_heads, spec.engine.block_size,
-                      mc.head_dim, spec.engine.torch_dtype)
+                      mc.head_dim, spec.engine.torch_dtype, dev)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails clearly
         ack(("error", traceback.format_exc()))
         return
@@ -202,21 +209,22 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
             except Exception as e:  # noqa: BLE001 - told to rank 0, which fails its start clearly
                 sock.send(pickle.dumps(f"error: {e}"))
             continue
-        if cmd == "forward":
+        if cmd == "forward":  # tensors cross processes in host memory; compute on this rank's device
             batch, ids = args
+            batch = batch.to(dev)
             if spec.kind == "tp":
-                model.forward(batch, pool, input_ids=ids)
+                model.forward(batch, pool, input_ids=ids.to(dev))
             else:  # pp: hidden from the previous stage, to the next (or logits to stage 0)
                 hidden = torch.empty(len(batch.positions), mc.hidden_size, dtype=dtype)
                 group.recv([hidden], spec.rank - 1, 0).wait()
-                out = model.forward(batch, pool, hidden=hidden).contiguous()
+                out = model.forward(batch, pool, hidden=hidden.to(dev)).contiguous().cpu()
                 group.send([out], (spec.rank + 1) % spec.world, 0).wait()
         elif cmd == "write_kv":  # (local layer, block ids, kv [n, 2, kvh, bs, hd])
             layer, blocks, kv = args
-            pool.layers[layer][torch.tensor(blocks)] = kv.to(dtype)
+            pool.layers[layer][torch.tensor(blocks, device=dev)] = kv.to(device=dev, dtype=dtype)
         elif cmd == "read_kv":
             layer, blocks = args
-            sock.send(pickle.dumps(pool.layers[layer][torch.tensor(blocks)].clone()))
+            sock.send(pickle.dumps(pool.layers[layer][torch.tensor(blocks, device=dev)].cpu()))
         elif cmd == "ping":
             sock.send(pickle.dumps("pong"))
 

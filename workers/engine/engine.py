@@ -62,7 +62,7 @@ class Engine:
         self.model: LlamaStage | None = None
         self.pool: KVPool | None = None
         if build_model:
-            weights = load_weights(checkpoint, mc, par, cfg.torch_dtype)
+            weights = load_weights(checkpoint, mc, par, cfg.torch_dtype, cfg.device)
             self.model = LlamaStage(mc, par, weights, all_reduce)
             self.pool = KVPool(len(self.model.layer_ids), cfg.num_blocks, self.model.kv_heads, cfg.block_size,
                                mc.head_dim, cfg.torch_dtype, cfg.device)
@@ -148,6 +148,13 @@ class Engine:
         """Advance the sequences of a finished forward and sample where it was asked for."""
         out: list[StepOutput] = []
         row = 0
+        greedy: list[int] | None = None
+        if logits.device.type != "cpu":  # one transfer per step, not one sync per row
+            rows = [w.seq for w in work if w.want_logits]
+            if self.captured is None and all(s.params.temperature == 0 for s in rows):
+                greedy = logits.argmax(-1).tolist()
+            else:
+                logits = logits.float().cpu()
         for w in work:
             w.seq.computed = w.start + w.n
             if not w.want_logits:
@@ -155,7 +162,7 @@ class Engine:
             seq = w.seq
             if self.captured is not None and not seq.output:
                 self.captured[seq.id] = logits[row].clone()
-            t = sample(logits[row], seq.params, seq.generator)
+            t = greedy[row] if greedy is not None else sample(logits[row], seq.params, seq.generator)
             row += 1
             seq.output.append(t)
             done = self._stops(seq, t)

@@ -34,6 +34,13 @@ class ForwardBatch:
     positions: torch.Tensor     # [T] long
     slots: torch.Tensor         # [T] long: block * block_size + offset
 
+    def to(self, device: str | torch.device) -> "ForwardBatch":
+        """The batch on `device` (batches travel between processes on the CPU)."""
+        if self.positions.device == torch.device(device):
+            return self
+        return ForwardBatch([SeqSlice(s.start, s.n, s.block_table.to(device), s.want_logits) for s in self.slices],
+                            self.positions.to(device), self.slots.to(device))
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype

@@ -33,7 +33,7 @@ class PPEngine(Engine):
         pars = [Parallel(pp_rank=r, pp_size=pp_size, layer_start=a, layer_end=b)
                 for r, (a, b) in enumerate(self.parts)]
         self.pp_size = pp_size
-        self.inflight: deque[tuple[list[Work], int, Any]] = deque()
+        self.inflight: deque[tuple[list[Work], int, Any, torch.Tensor]] = deque()
         self.max_inflight = 0
         self.ranks = Ranks("pp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host,
                            remote_port=remote_port, bind_host=kv_host, start_timeout=600.0 if remote_port else 120.0
@@ -50,7 +50,7 @@ class PPEngine(Engine):
         out = self._rejections()
         # fill the pipeline: up to pp_size micro-batches, none sharing a sequence
         while len(self.inflight) < self.pp_size:
-            busy = frozenset(w.seq.id for mb, _, _ in self.inflight for w in mb)
+            busy = frozenset(w.seq.id for mb, _, _, _ in self.inflight for w in mb)
             work = self.scheduler.schedule(busy)
             if not work:
                 break
@@ -58,20 +58,22 @@ class PPEngine(Engine):
             self.max_inflight = max(self.max_inflight, len(self.inflight))
         if not self.inflight:
             return out
-        work, n, send = self.inflight.popleft()
-        logits = torch.empty(n, self.model_cfg.vocab_size, dtype=self.cfg.torch_dtype)
+        work, n, send, _ = self.inflight.popleft()
+        logits = torch.empty(n, self.model_cfg.vocab_size, dtype=self.cfg.torch_dtype)  # gloo: host memory
         self.ranks.group.recv([logits], self.pp_size - 1, 0).wait()
         send.wait()
         return out + self._apply(work, logits)
 
-    def _launch(self, work: list[Work]) -> tuple[list[Work], int, Any]:
-        """Stage 0's part of a micro-batch; the hidden states go on to stage 1 without waiting."""
+    def _launch(self, work: list[Work]) -> tuple[list[Work], int, Any, torch.Tensor]:
+        """Stage 0's part of a micro-batch; the hidden states go on to stage 1 without waiting
+        (through host memory: gloo; the tensor is kept until the send is done)."""
         assert self.model is not None and self.pool is not None and self.ranks is not None
-        batch, ids = build_batch(work, self.cfg.block_size, self.cfg.device)
+        batch, ids = build_batch(work, self.cfg.block_size, "cpu")
         self.ranks.broadcast("forward", batch, None)
-        hidden = self.model.forward(batch, self.pool, input_ids=ids).contiguous()
+        dev = self.cfg.device
+        hidden = self.model.forward(batch.to(dev), self.pool, input_ids=ids.to(dev)).contiguous().cpu()
         send = self.ranks.group.send([hidden], 1, 0)
-        return work, sum(1 for s in batch.slices if s.want_logits), send
+        return work, sum(1 for s in batch.slices if s.want_logits), send, hidden
 
     def stage_of(self, layer: int) -> tuple[int, int]:
         """(stage, local layer index) owning a global layer."""
@@ -85,7 +87,7 @@ class PPEngine(Engine):
         stage, local = self.stage_of(layer)
         if stage == 0:
             assert self.pool is not None
-            return self.pool.layers[local][torch.tensor(blocks)].clone()
+            return self.pool.layers[local][torch.tensor(blocks, device=self.pool.layers[local].device)].cpu()
         assert self.ranks is not None
         return self.ranks.request(stage, "read_kv", local, blocks)
 

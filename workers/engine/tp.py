@@ -33,8 +33,8 @@ class TPEngine(Engine):
             raise
 
     def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.ranks is not None:
-            self.ranks.broadcast("forward", batch, input_ids)
+        if self.ranks is not None:  # metadata to the other ranks on the CPU; each moves it to its device
+            self.ranks.broadcast("forward", batch.to("cpu"), input_ids.cpu())
         return super()._local_forward(batch, input_ids)
 
     def head_range(self, rank: int) -> tuple[int, int]:
@@ -48,10 +48,11 @@ class TPEngine(Engine):
             part = kv[:, :, a:b].contiguous()
             if r == 0:
                 assert self.pool is not None
-                self.pool.layers[layer][torch.tensor(blocks)] = part.to(self.pool.layers[layer].dtype)
+                dst = self.pool.layers[layer]
+                dst[torch.tensor(blocks, device=dst.device)] = part.to(device=dst.device, dtype=dst.dtype)
             else:
                 assert self.ranks is not None
-                self.ranks.send(r, "write_kv", layer, blocks, part)
+                self.ranks.send(r, "write_kv", layer, blocks, part.cpu())
         if self.ranks is not None:
             for r in range(1, self.tp_size):  # writes are ordered; a ping makes them visible before use
                 self.ranks.request(r, "ping")

@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,7 @@ BACKENDS = ("mooncake", "zmq")
 class Region:
     addr: int
     length: int
+    flat: torch.Tensor | None = None  # device memory: a uint8 view to copy through (host: raw addresses)
 
 
 class Transport(Protocol):
@@ -70,6 +72,9 @@ class MooncakeTransport:
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("only contiguous tensors can be registered")
+            if t.device.type != "cpu":
+                raise KVTransferError("the bundled Mooncake build (mooncake-transfer-engine-non-cuda) moves host "
+                                      "memory only: use --kv-backend zmq for KV pools on a GPU")
             addr, n = t.data_ptr(), t.numel() * t.element_size()
             rc = self._te.register_memory(addr, n)
             if rc != 0:
@@ -124,12 +129,52 @@ class ZmqTransport:
             for t in tensors:
                 if not t.is_contiguous():
                     raise ValueError("only contiguous tensors can be registered")
-                self._regions.append(Region(t.data_ptr(), t.numel() * t.element_size()))
+                flat = t.view(-1).view(torch.uint8) if t.device.type != "cpu" else None
+                self._regions.append(Region(t.data_ptr(), t.numel() * t.element_size(), flat))
                 out.append(t.data_ptr())
         return out
 
+    def _region(self, addr: int, n: int) -> Region | None:
+        for r in self._regions:
+            if r.addr <= addr and addr + n <= r.addr + r.length:
+                return r
+        return None
+
     def _inside(self, addr: int, n: int) -> bool:
-        return any(r.addr <= addr and addr + n <= r.addr + r.length for r in self._regions)
+        return self._region(addr, n) is not None
+
+    def _read(self, src: list[int], lengths: list[int]) -> bytes:
+        """The source ranges' bytes: host memory directly, device memory in one gather + copy."""
+        regs = [self._region(s, n) for s, n in zip(src, lengths)]
+        if all(r is None or r.flat is None for r in regs):
+            return b"".join(ctypes.string_at(s, n) for s, n in zip(src, lengths))
+        parts = []
+        for s, n, r in zip(src, lengths, regs):
+            if r is None:
+                raise KVTransferError(f"source range {s:#x}+{n} is not registered")
+            parts.append(r.flat[s - r.addr:s - r.addr + n] if r.flat is not None
+                         else torch.frombuffer(bytearray(ctypes.string_at(s, n)), dtype=torch.uint8))
+        return torch.cat([p.cpu() for p in parts]).numpy().tobytes()
+
+    def _land(self, dst: list[int], lengths: list[int], buf: memoryview) -> None:
+        """Copy the payload into the destination ranges (device ones through one host tensor)."""
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+        host: torch.Tensor | None = None
+        off = 0
+        for d, n in zip(dst, lengths):
+            r = self._region(d, n)
+            assert r is not None
+            if r.flat is None:
+                ctypes.memmove(d, base + off, n)
+            else:
+                if host is None:
+                    with warnings.catch_warnings():  # a read-only frame: only read from here
+                        warnings.simplefilter("ignore", UserWarning)
+                        host = torch.frombuffer(buf, dtype=torch.uint8)
+                r.flat[d - r.addr:d - r.addr + n].copy_(host[off:off + n])
+            off += n
+        if host is not None:
+            torch.cuda.synchronize()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -146,17 +191,14 @@ class ZmqTransport:
                 if bad or sum(lengths) != len(buf):
                     err = f"{len(bad)} range(s) outside the registered regions" if bad else "payload size mismatch"
                 else:
-                    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
-                    off = 0
-                    for d, n in zip(dst, lengths):
-                        ctypes.memmove(d, base + off, n)
-                        off += n
+                    self._land(dst, lengths, buf)
             self._recv.send_multipart([ident.bytes, err.encode()])
 
     def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         if not src:
             return
-        payload = b"".join(ctypes.string_at(s, n) for s, n in zip(src, lengths))
+        with self._lock:
+            payload = self._read(src, lengths)
         with self._out_lock:  # one socket and one lock per peer: a stalled peer blocks only its own writes
             lock = self._peer_locks.setdefault(segment, threading.Lock())
         with lock:
