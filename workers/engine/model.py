@@ -103,8 +103,9 @@ class LlamaStage:
         x = F.embedding(input_ids, self.embed) if self.par.first else hidden
         assert x is not None
         cos, sin = self.rotary(batch.positions, x.dtype)
+        dm = _decode_meta(batch, pool.block_size, x.device)
         for li, layer in enumerate(self.layers):
-            x = x + self._attention(li, layer, rms_norm(x, layer.ln1, self.cfg.rms_norm_eps), batch, pool, cos, sin)
+            x = x + self._attention(li, layer, rms_norm(x, layer.ln1, self.cfg.rms_norm_eps), batch, pool, cos, sin, dm)
             h = rms_norm(x, layer.ln2, self.cfg.rms_norm_eps)
             x = x + self.all_reduce(F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down))
         if not self.par.last:
@@ -118,7 +119,7 @@ class LlamaStage:
         return F.linear(x, self.lm_head)
 
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, dm: "DecodeMeta | None") -> torch.Tensor:
         T, hd = h.shape[0], self.cfg.head_dim
         q = F.linear(h, layer.q).view(T, self.heads, hd)
         k = F.linear(h, layer.k).view(T, self.kv_heads, hd)
@@ -128,52 +129,68 @@ class LlamaStage:
         k = k * c + rotate_half(k) * s_
         pool.write(li, batch.slots, k, v)
         group = self.heads // self.kv_heads
+        if dm is not None and len(dm.slices) == len(batch.slices):  # decode only: one padded attention
+            return self.all_reduce(F.linear(self._decode_attention(li, q, dm, pool), layer.o))
         outs: list[torch.Tensor | None] = [None] * len(batch.slices)
         offs, off = [], 0
         for sl in batch.slices:
             offs.append(off)
             off += sl.n
-        decodes = [i for i, sl in enumerate(batch.slices) if sl.n == 1]
-        if len(decodes) > 1:  # one padded attention for every single-token slice
-            done = self._decode_attention(li, q, [offs[i] for i in decodes], [batch.slices[i] for i in decodes],
-                                          pool, group)
-            for i, o in zip(decodes, done):
-                outs[i] = o
+        if dm is not None:  # one padded attention for every single-token slice
+            done = self._decode_attention(li, q, dm, pool)
+            for j, i in enumerate(dm.slices):
+                outs[i] = done[j:j + 1]
         for i, sl in enumerate(batch.slices):
             if outs[i] is not None:
                 continue
             qi = q[offs[i]:offs[i] + sl.n].transpose(0, 1)               # [H, n, hd]
             ctx = sl.start + sl.n
             kc, vc = pool.gather(li, sl.block_table, ctx)                 # [KVH, ctx, hd]
-            if group > 1:
-                kc, vc = kc.repeat_interleave(group, 0), vc.repeat_interleave(group, 0)
-            if sl.n == 1:
-                o = F.scaled_dot_product_attention(qi, kc, vc, scale=self.scale)
+            if sl.start == 0:  # a whole prompt: plain causal attention
+                o = F.scaled_dot_product_attention(qi, kc, vc, is_causal=True, scale=self.scale, enable_gqa=group > 1)
             else:
                 qpos = torch.arange(sl.start, ctx, device=h.device)[:, None]
                 mask = torch.arange(ctx, device=h.device)[None, :] <= qpos  # [n, ctx]
-                o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=self.scale)
+                o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=group > 1)
             outs[i] = o.transpose(0, 1).reshape(sl.n, self.heads * hd)
         attn = torch.cat(outs, 0) if len(outs) > 1 else outs[0]  # type: ignore[arg-type]
         return self.all_reduce(F.linear(attn, layer.o))
 
-    def _decode_attention(self, li: int, q: torch.Tensor, rows: list[int], slices: list[SeqSlice], pool: KVPool,
-                          group: int) -> list[torch.Tensor]:
-        """Single-token queries of B sequences against their padded contexts, in one SDPA call."""
+    def _decode_attention(self, li: int, q: torch.Tensor, dm: "DecodeMeta", pool: KVPool) -> torch.Tensor:
+        """Single-token queries of B sequences against their padded contexts, in one SDPA call
+        (KV heads shared by query groups without copies); [B, heads * head_dim]."""
         bs, hd = pool.block_size, self.cfg.head_dim
-        ctx = [sl.start + 1 for sl in slices]
-        nb = max(len(sl.block_table) for sl in slices)
-        table = torch.zeros(len(slices), nb, dtype=torch.long, device=q.device)
-        for b, sl in enumerate(slices):
-            table[b, :len(sl.block_table)] = sl.block_table
-        kv = pool.layers[li][table]                                      # [B, nb, 2, KVH, bs, hd]
-        B = len(slices)
+        B, nb = dm.table.shape
+        kv = pool.layers[li][dm.table]                                   # [B, nb, 2, KVH, bs, hd]
         k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, self.kv_heads, nb * bs, hd)
         v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, self.kv_heads, nb * bs, hd)
-        if group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        lens = torch.tensor(ctx, device=q.device)
-        mask = (torch.arange(nb * bs, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [B,1,1,L]
-        qb = q[torch.tensor(rows, device=q.device)].unsqueeze(2)        # [B, H, 1, hd]
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale)  # [B, H, 1, hd]
-        return list(o.reshape(B, self.heads * hd).unsqueeze(1).unbind(0))
+        qb = q[dm.rows].unsqueeze(2)                                     # [B, H, 1, hd]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=dm.mask, scale=self.scale,
+                                           enable_gqa=self.heads != self.kv_heads)  # [B, H, 1, hd]
+        return o.reshape(B, self.heads * hd)
+
+
+@dataclass(slots=True)
+class DecodeMeta:
+    """What every layer's decode attention shares in one forward (built once, not per layer)."""
+    slices: list[int]          # indices of the single-token slices in the batch
+    rows: torch.Tensor         # [B] their token rows
+    table: torch.Tensor        # [B, max blocks] block tables, zero-padded
+    mask: torch.Tensor         # [B, 1, 1, max blocks * block_size] context positions to attend
+
+
+def _decode_meta(batch: ForwardBatch, block_size: int, device: torch.device) -> DecodeMeta | None:
+    idx, rows, ctx, off = [], [], [], 0
+    for i, sl in enumerate(batch.slices):
+        if sl.n == 1:
+            idx.append(i)
+            rows.append(off)
+            ctx.append(sl.start + 1)
+        off += sl.n
+    if not idx:
+        return None
+    table = torch.nn.utils.rnn.pad_sequence([batch.slices[i].block_table for i in idx], batch_first=True)
+    lens = torch.tensor(ctx).to(device, non_blocking=True)
+    span = table.shape[1] * block_size
+    mask = (torch.arange(span, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    return DecodeMeta(idx, torch.tensor(rows).to(device, non_blocking=True), table, mask)
