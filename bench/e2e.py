@@ -5,7 +5,8 @@ with and without first-token-early, side by side in one run.
     python3 bench/e2e.py --device cuda --dtype bfloat16 --size large --kv-backend zmq \
         --prompt-len 512 --new-tokens 64 --requests 32 --concurrency 1,16   # the H200 run
 
-Starts (as processes) a PP=2 prefill pipeline and a TP=2 decode engine (Mooncake TCP), two
+Starts (as processes) a PP=2 prefill pipeline and a TP=2 decode engine (Mooncake TCP; sizes,
+devices and backend are options: several GPUs, one per stage/rank, talk over NCCL), two
 meshes over them (first-token-early on / off), and a monolithic engine (`mesh decode --tp-size 1`
 answering without PD). Streams `--requests` completions per setting; TTFT is the time to the first
 content chunk, TPOT the mean gap between the next ones. Results also go to bench/results/e2e-*.json.
@@ -63,6 +64,11 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq"])
     ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--pp-size", type=int, default=2)
+    ap.add_argument("--tp-size", type=int, default=2)
+    ap.add_argument("--prefill-device", help="the pipeline's device(s), one per stage allowed (default --device)")
+    ap.add_argument("--decode-device", help="the decode engine's device(s), one per rank allowed (default --device)")
+    ap.add_argument("--mono-device", help="the monolithic engine's device (default --device)")
     ap.add_argument("--out", help="results JSON (default bench/results/e2e-<time>.json)")
     a = ap.parse_args()
     import torch
@@ -70,14 +76,18 @@ def main() -> None:
     d = Path(tempfile.mkdtemp(prefix="atomesh-e2e-")) / "bench-llama"
     generate(d, tiny_config(**SIZES[a.size]), seed=0, dtype=getattr(torch, a.dtype))
     common = ["--checkpoint", str(d), "--num-blocks", str(a.num_blocks), "--max-batch-tokens", "2048",
-              "--device", a.device, "--dtype", a.dtype, "--kv-backend", a.kv_backend]
+              "--dtype", a.dtype, "--kv-backend", a.kv_backend]
+    dev = {"prefill": a.prefill_device or a.device, "decode": a.decode_device or a.device,
+           "mono": a.mono_device or a.device}
     procs = []
     try:
-        p, (pre,) = _url(start([*MESH, "prefill", *common, "--pp-size", "2"], "prefill "))
+        p, (pre,) = _url(start([*MESH, "prefill", *common, "--device", dev["prefill"], "--pp-size", str(a.pp_size)],
+                               "prefill "))
         procs.append(p)
-        p, (dec,) = _url(start([*MESH, "decode", *common, "--tp-size", "2"], "decode "))
+        p, (dec,) = _url(start([*MESH, "decode", *common, "--device", dev["decode"], "--tp-size", str(a.tp_size)],
+                               "decode "))
         procs.append(p)
-        p, (mono,) = _url(start([*MESH, "decode", *common, "--tp-size", "1"], "decode "))
+        p, (mono,) = _url(start([*MESH, "decode", *common, "--device", dev["mono"], "--tp-size", "1"], "decode "))
         procs.append(p)
         p, (mesh_on,) = _url(start([*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
                                     "--decode", dec], "mesh "))

@@ -279,8 +279,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every rank / stage of this worker on it; "
-                   "with --kv-backend zmq on GPUs: Mooncake's CUDA build is not bundled)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N for every rank / stage of this worker, or "
+                   "one per stage / rank (cuda:0,cuda:1,...: with distinct GPUs the ranks talk over NCCL); "
+                   "with --kv-backend zmq on GPUs: Mooncake's CUDA build is not bundled")
     p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL")
     add_etcd_options(p)
     p.set_defaults(func=cmd_worker)

@@ -217,3 +217,34 @@ def test_tokenizers(tmp_path):
     t.save(str(tmp_path / "tokenizer.json"))
     hf = tok.load(tmp_path, None, 2)
     assert hf.encode("hello mesh") == [0, 1] and hf.decode([0, 1]) == "hello mesh"
+
+
+def test_group_backend_is_nccl_only_for_distinct_gpus():
+    from workers.engine.dist import group_backend
+
+    assert group_backend(["cuda:0", "cuda:1", "cuda:2", "cuda:3"]) == "nccl"
+    for devs in (["cuda:0", "cuda:0"], ["cuda", "cuda"], ["cpu", "cpu"], ["cuda:0"], ["cuda:0", "cpu"]):
+        assert group_backend(devs) == "gloo", devs
+
+
+def test_one_device_per_rank(ckpt, reference):
+    tp = TPEngine(ckpt, cfg(), 2, devices=["cpu", "cpu"])
+    try:
+        assert tp.ranks.backend == "gloo" and not tp.ranks.wire.direct
+        check(tp, reference)
+    finally:
+        tp.close()
+    with pytest.raises(ValueError, match="one device per rank"):
+        TPEngine(ckpt, cfg(), 2, devices=["cpu"])
+
+
+def test_device_flag_lists_one_device_or_one_per_rank():
+    from types import SimpleNamespace
+
+    from mesh.errors import ConfigError
+    from workers.launch import devices
+
+    assert devices(SimpleNamespace(device="cuda"), 3) == ["cuda"] * 3
+    assert devices(SimpleNamespace(device="cuda:0,cuda:1"), 2) == ["cuda:0", "cuda:1"]
+    with pytest.raises(ConfigError, match="one per stage/rank"):
+        devices(SimpleNamespace(device="cuda:0,cuda:1"), 4)

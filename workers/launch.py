@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.errors import ConfigError
 from mesh.etcd import EtcdConfig
 from mesh.protocol import DecodeRecord, PrefillRecord, RankRecord, StageRecord
 from workers.engine.config import EngineConfig
@@ -17,27 +18,38 @@ from workers.register import EnrollConfig, Enrollment
 log = logging.getLogger(__name__)
 
 
-def engine_config(a: Any) -> EngineConfig:
+def devices(a: Any, world: int) -> list[str]:
+    """`--device D` (every rank on D) or `--device D0,D1,...` (one per stage / rank)."""
+    devs = [d.strip() for d in str(getattr(a, "device", "cpu")).split(",") if d.strip()]
+    if len(devs) == 1:
+        return devs * world
+    if len(devs) != world:
+        raise ConfigError(f"--device: give one device, or one per stage/rank ({world}); got {len(devs)}")
+    return devs
+
+
+def engine_config(a: Any, device: str = "cpu") -> EngineConfig:
     return EngineConfig(block_size=a.block_size, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
-                        max_batch_tokens=a.max_batch_tokens, dtype=a.dtype, device=getattr(a, "device", "cpu"))
+                        max_batch_tokens=a.max_batch_tokens, dtype=a.dtype, device=device)
 
 
 async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:
     model = a.model or Path(a.checkpoint).name
-    cfg = engine_config(a)
+    devs = devices(a, a.pp_size if role == "prefill" else a.tp_size)
+    cfg = engine_config(a, devs[0])
     if role == "prefill":
         from workers.engine.pp import PPEngine
         from workers.prefill import PrefillServer
 
         engine: Any = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
-                               remote_port=a.remote_stages)
+                               remote_port=a.remote_stages, devices=devs)
         wid = a.id or f"prefill-{a.host}-{a.port}"
         server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl)
     else:
         from workers.decode import DecodeServer
         from workers.engine.tp import TPEngine
 
-        engine = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host)
+        engine = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host, devices=devs)
         wid = a.id or f"decode-{a.host}-{a.port}"
         server = DecodeServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)

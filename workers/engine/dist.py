@@ -47,10 +47,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1") -> Any:
-    """A gloo group on a TCPStore at host:port (rank 0 serves it). Across hosts, gloo binds the
-    address the host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
+def group_backend(devices: list[str]) -> str:
+    """`nccl` when every rank holds a GPU of its own (cuda:N, all different); else `gloo`, with
+    device tensors going through host memory (ranks sharing one GPU, or CPU ranks)."""
+    if len(devices) > 1 and all(d.startswith("cuda:") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "gloo"
+
+
+class Wire:
+    """How one rank's tensors travel to the others: as they are (NCCL, on the GPU) or through
+    host memory (gloo)."""
+
+    def __init__(self, backend: str, device: str) -> None:
+        self.direct = backend == "nccl"
+        self.device = device
+
+    def out(self, t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous() if self.direct else t.contiguous().cpu()
+
+    def buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=self.device if self.direct else "cpu")
+
+    def into(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+
+def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1", backend: str = "gloo",
+               device: str = "cpu") -> Any:
+    """A process group on a TCPStore at host:port (rank 0 serves it). NCCL when the ranks hold
+    distinct GPUs (NVLink multicast off: NCCL_NVLS_ENABLE=0 unless set); gloo otherwise, binding
+    the address the host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if ifname:
         opts = dist.ProcessGroupGloo._Options()
@@ -60,11 +95,11 @@ def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1") -> Any
     return dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
 
 
-def all_reduce_fn(group: Any):  # type: ignore[no-untyped-def]
-    """Sum over the TP ranks with gloo: device tensors go through host memory (ranks may share one
-    GPU here, where NCCL needs distinct devices)."""
+def all_reduce_fn(group: Any, direct: bool = False):  # type: ignore[no-untyped-def]
+    """Sum over the TP ranks: in place with NCCL (`direct`) or for host tensors; device tensors
+    under gloo go through host memory (ranks may share one GPU, where NCCL needs distinct devices)."""
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
+        if direct or t.device.type == "cpu":
             t = t.contiguous()
             group.allreduce([t]).wait()
             return t
@@ -87,6 +122,7 @@ class RankSpec:
     kv_backend: str | None = None     # set: register the pools, serve KV (pp stages) and report how
     kv_host: str = "127.0.0.1"
     head: str = "127.0.0.1"           # where rank 0's store and control sockets listen
+    backend: str = "gloo"             # the group's backend (group_backend of every rank's device)
 
 
 def _rank_main(spec: RankSpec, ready: Any) -> None:
@@ -159,10 +195,11 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
     try:
         torch.set_num_threads(1)
         mc = ModelConfig.load(spec.checkpoint)
-        group = make_group(spec.rank, spec.world, spec.store_port, spec.head)
         dev = spec.engine.device
+        group = make_group(spec.rank, spec.world, spec.store_port, spec.head, spec.backend, dev)
+        wire = Wire(spec.backend, dev)
         weights = load_weights(spec.checkpoint, mc, spec.par, spec.engine.torch_dtype, dev)
-        model = LlamaStage(mc, spec.par, weights, all_reduce_fn(group) if spec.kind == "tp" else None)
+        model = LlamaStage(mc, spec.par, weights, all_reduce_fn(group, wire.direct) if spec.kind == "tp" else None)
         pool = KVPool(len(model.layer_ids), spec.engine.num_blocks, model.kv_heads, spec.engine.block_size,
                       mc.head_dim, spec.engine.torch_dtype, dev)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails clearly
@@ -215,9 +252,9 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
             if spec.kind == "tp":
                 model.forward(batch, pool, input_ids=ids.to(dev))
             else:  # pp: hidden from the previous stage, to the next (or logits to stage 0)
-                hidden = torch.empty(len(batch.positions), mc.hidden_size, dtype=dtype)
+                hidden = wire.buffer(len(batch.positions), mc.hidden_size, dtype=dtype)
                 group.recv([hidden], spec.rank - 1, 0).wait()
-                out = model.forward(batch, pool, hidden=hidden.to(dev)).contiguous().cpu()
+                out = wire.out(model.forward(batch, pool, hidden=wire.into(hidden)))
                 group.send([out], (spec.rank + 1) % spec.world, 0).wait()
         elif cmd == "write_kv":  # (local layer, block ids, kv [n, 2, kvh, bs, hd])
             layer, blocks, kv = args
@@ -239,9 +276,15 @@ class Ranks:
 
     def __init__(self, kind: str, checkpoint: str | Path, engine: EngineConfig, pars: list[Parallel],
                  start_timeout: float = 120.0, kv_backend: str | None = None, kv_host: str = "127.0.0.1",
-                 remote_port: int | None = None, bind_host: str = "127.0.0.1") -> None:
+                 remote_port: int | None = None, bind_host: str = "127.0.0.1",
+                 devices: list[str] | None = None) -> None:
         self.kind = kind
         self.world = len(pars)
+        devices = devices or [engine.device] * self.world
+        if len(devices) != self.world or devices[0] != engine.device:
+            raise ValueError(f"give one device per rank ({self.world}), the first being rank 0's ({engine.device})")
+        self.backend = group_backend(devices)
+        self.wire = Wire(self.backend, engine.device)
         self.remote = remote_port is not None
         self._zctx = zmq.Context()
         self.socks: list[zmq.Socket] = []
@@ -263,8 +306,8 @@ class Ranks:
             else:
                 port = s.bind_to_random_port("tcp://127.0.0.1")
             self.socks.append(s)
-            specs.append(RankSpec(kind, str(checkpoint), engine, pars[r], r, self.world, store_port, port,
-                                  kv_backend, kv_host))
+            specs.append(RankSpec(kind, str(checkpoint), dataclasses.replace(engine, device=devices[r]), pars[r], r,
+                                  self.world, store_port, port, kv_backend, kv_host, backend=self.backend))
         try:
             if self.remote:
                 self._join_remote(specs, start_timeout, bind_host)
@@ -282,7 +325,8 @@ class Ranks:
                               daemon=True)
             p.start()
             self.procs.append(p)
-        self.group = make_group(0, self.world, specs[0].store_port) if specs else None
+        self.group = make_group(0, self.world, specs[0].store_port, backend=self.backend,
+                                device=self.wire.device) if specs else None
         for _ in specs:
             try:
                 status, *info = self._ready.get(timeout=start_timeout)
@@ -302,7 +346,7 @@ class Ranks:
                 raise RankDied(f"port {spec.ctrl_port} expects stage {spec.rank}, got {hello!r}")
             self.monitors.append(s.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             s.send(pickle.dumps(spec))
-        self.group = make_group(0, self.world, specs[0].store_port, bind_host)
+        self.group = make_group(0, self.world, specs[0].store_port, bind_host, self.backend, self.wire.device)
         for s, spec in zip(self.socks, specs):
             if not s.poll(int(start_timeout * 1000)):
                 raise RankDied(f"stage {spec.rank} did not get ready within {start_timeout:g}s")

@@ -27,7 +27,7 @@ from workers.engine.scheduler import Work
 class PPEngine(Engine):
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig, pp_size: int,
                  layer_partition: str | None = None, kv_backend: str | None = None, kv_host: str = "127.0.0.1",
-                 remote_port: int | None = None) -> None:
+                 remote_port: int | None = None, devices: list[str] | None = None) -> None:
         mc = ModelConfig.load(checkpoint)
         self.parts = partition(mc.num_hidden_layers, pp_size, layer_partition)
         pars = [Parallel(pp_rank=r, pp_size=pp_size, layer_start=a, layer_end=b)
@@ -36,8 +36,8 @@ class PPEngine(Engine):
         self.inflight: deque[tuple[list[Work], int, Any, torch.Tensor]] = deque()
         self.max_inflight = 0
         self.ranks = Ranks("pp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host,
-                           remote_port=remote_port, bind_host=kv_host, start_timeout=600.0 if remote_port else 120.0
-                           ) if pp_size > 1 else None
+                           remote_port=remote_port, bind_host=kv_host, start_timeout=600.0 if remote_port else 120.0,
+                           devices=devices) if pp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0])
         except BaseException:
@@ -59,19 +59,19 @@ class PPEngine(Engine):
         if not self.inflight:
             return out
         work, n, send, _ = self.inflight.popleft()
-        logits = torch.empty(n, self.model_cfg.vocab_size, dtype=self.cfg.torch_dtype)  # gloo: host memory
+        logits = self.ranks.wire.buffer(n, self.model_cfg.vocab_size, dtype=self.cfg.torch_dtype)
         self.ranks.group.recv([logits], self.pp_size - 1, 0).wait()
         send.wait()
         return out + self._apply(work, logits)
 
     def _launch(self, work: list[Work]) -> tuple[list[Work], int, Any, torch.Tensor]:
         """Stage 0's part of a micro-batch; the hidden states go on to stage 1 without waiting
-        (through host memory: gloo; the tensor is kept until the send is done)."""
+        (the tensor is kept until the send is done)."""
         assert self.model is not None and self.pool is not None and self.ranks is not None
         batch, ids = build_batch(work, self.cfg.block_size, "cpu")
         self.ranks.broadcast("forward", batch, None)
         dev = self.cfg.device
-        hidden = self.model.forward(batch.to(dev), self.pool, input_ids=ids.to(dev)).contiguous().cpu()
+        hidden = self.ranks.wire.out(self.model.forward(batch.to(dev), self.pool, input_ids=ids.to(dev)))
         send = self.ranks.group.send([hidden], 1, 0)
         return work, sum(1 for s in batch.slices if s.want_logits), send, hidden
 

@@ -19,15 +19,16 @@ from workers.engine.model import ForwardBatch
 
 class TPEngine(Engine):
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig, tp_size: int, kv_backend: str | None = None,
-                 kv_host: str = "127.0.0.1") -> None:
+                 kv_host: str = "127.0.0.1", devices: list[str] | None = None) -> None:
         if tp_size < 1:
             raise ValueError("tp_size must be >= 1")
         self.tp_size = tp_size
         pars = [Parallel(tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
-        self.ranks = Ranks("tp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host) if tp_size > 1 else None
+        self.ranks = Ranks("tp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host,
+                           devices=devices) if tp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0],
-                             all_reduce=all_reduce_fn(self.ranks.group) if self.ranks else None)
+                             all_reduce=all_reduce_fn(self.ranks.group, self.ranks.wire.direct) if self.ranks else None)
         except BaseException:
             self.close()
             raise

@@ -160,6 +160,7 @@ class ZmqTransport:
         """Copy the payload into the destination ranges (device ones through one host tensor)."""
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
         host: torch.Tensor | None = None
+        devices: set[torch.device] = set()
         off = 0
         for d, n in zip(dst, lengths):
             r = self._region(d, n)
@@ -172,9 +173,10 @@ class ZmqTransport:
                         warnings.simplefilter("ignore", UserWarning)
                         host = torch.frombuffer(buf, dtype=torch.uint8)
                 r.flat[d - r.addr:d - r.addr + n].copy_(host[off:off + n])
+                devices.add(r.flat.device)
             off += n
-        if host is not None:
-            torch.cuda.synchronize()
+        for dev in devices:  # landed before the write is acknowledged
+            torch.cuda.synchronize(dev)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
