@@ -351,3 +351,16 @@ def test_mesh_workers_table_from_etcd(etcd):
         assert any(line.startswith("decode") and "mock-decode-0" in line for line in lines)
     finally:
         fleet.stop()
+
+
+async def test_drain_with_etcd_gone_exits_cleanly(etcd):
+    """SIGTERM to `mesh register` while etcd is down: no traceback, exit 0 (the keys go with the
+    lease TTL)."""
+    reg = await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "decode", "--url", "http://127.0.0.1:9",
+                      "--model", "m", "--ttl", "3", "--drain-deadline", "1"], "registered")
+    etcd.stop()
+    os.kill(reg.p.pid, signal.SIGTERM)
+    code = await asyncio.to_thread(reg.p.wait, 30)
+    err = reg.p.stderr.read() if reg.p.stderr else ""
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    reg.stop()

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import aetcd
 import aiohttp
 import orjson
 
@@ -152,8 +153,13 @@ class Enrollment:
             return engine_busy(await r.text()) if r.status == 200 else None
 
     async def drain(self, deadline: float | None = None) -> bool:
-        """Mark draining, wait for in-flight work, then deregister. True if it went idle in time."""
-        await self.set_draining()
+        """Mark draining, wait for in-flight work, then deregister. True if it went idle in time.
+        With etcd unreachable the mark is skipped (our keys go with their leases' TTL anyway)."""
+        try:
+            await self.set_draining()
+        except aetcd.ClientError as e:
+            log.warning("could not mark %s draining (etcd: %s); waiting for in-flight work anyway",
+                        self.url or "this worker", e)
         idle = await self.wait_idle(self.cfg.drain_deadline if deadline is None else deadline)
         await self.close()
         return idle
