@@ -13,7 +13,8 @@ from mesh.etcd import EtcdConfig, open_client
 from mesh.etcd_registry import build_workers
 from mesh.protocol import DecodeRecord, PrefillRecord
 
-COLUMNS = ("role", "id", "model", "url", "parallel", "stages", "layers", "health", "draining", "in_flight", "held")
+COLUMNS = ("role", "id", "model", "url", "dialect", "parallel", "stages", "layers", "health", "draining", "in_flight",
+           "held")
 
 
 async def _load(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
@@ -48,13 +49,13 @@ async def from_etcd(cfg: EtcdConfig) -> list[dict[str, Any]]:
     for rec, load in zip(records, loads):
         if isinstance(rec, PrefillRecord):
             live = stages.get(rec.id, {})
-            rows.append({"role": "prefill", "id": rec.id, "model": rec.model, "url": rec.url,
+            rows.append({"role": "prefill", "id": rec.id, "model": rec.model, "url": rec.url, "dialect": rec.dialect,
                          "parallel": f"pp={rec.pp_size}", "stages": f"{len(live)}/{rec.pp_size}",
                          "layers": " ".join(f"{s.layers[0]}-{s.layers[1]}" for s in rec.stages) or "-",
                          "health": "routable" if rec.id in routable_ids else "INCOMPLETE",
                          "draining": rec.draining, "load": load})
         else:
-            rows.append({"role": "decode", "id": rec.id, "model": rec.model, "url": rec.url,
+            rows.append({"role": "decode", "id": rec.id, "model": rec.model, "url": rec.url, "dialect": rec.dialect,
                          "parallel": f"tp={rec.tp_size}", "stages": "-", "layers": "-",
                          "health": "routable", "draining": rec.draining, "load": load})
     for mid, m in meshes.items():
@@ -71,6 +72,7 @@ def from_mesh(url: str, token: str | None) -> list[dict[str, Any]]:
         rec = w["record"]
         pp = rec.get("pp_size")
         rows.append({"role": w["role"], "id": w["id"], "model": w["model"], "url": w["url"],
+                     "dialect": rec.get("dialect", "atom"),
                      "parallel": f"pp={pp}" if w["role"] == "prefill" else f"tp={rec.get('tp_size', 1)}",
                      "stages": "-", "health": "healthy" if w["healthy"] else "UNHEALTHY",
                      "layers": " ".join(f"{s['layers'][0]}-{s['layers'][1]}" for s in rec.get("stages", [])) or "-",
@@ -84,7 +86,8 @@ def render(rows: list[dict[str, Any]]) -> str:
     table = [COLUMNS]
     for r in rows:
         load = r.get("load") or {}
-        table.append((r["role"], r["id"], r["model"], r["url"], r["parallel"], r["stages"], r["layers"],
+        table.append((r["role"], r["id"], r["model"], r["url"], r.get("dialect", "-"), r["parallel"], r["stages"],
+                      r["layers"],
                       r["health"] if r.get("load") is not None or r["role"] == "mesh" else r["health"] + " (no /load)",
                       "yes" if r["draining"] else "no", str(load.get("in_flight", "-")),
                       str(load.get("held_transfers", "-"))))

@@ -345,8 +345,9 @@ def test_mesh_workers_table_from_etcd(etcd):
                                            text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
-        assert lines[0].split()[:3] == ["role", "id", "model"]
+        assert lines[0].split()[:5] == ["role", "id", "model", "url", "dialect"]
         pre = next(line for line in lines if line.startswith("prefill"))
+        assert pre.split()[4] == "atom"
         assert "mock-prefill-0" in pre and "2/2" in pre and "0-16 16-32" in pre and "routable" in pre
         assert any(line.startswith("decode") and "mock-decode-0" in line for line in lines)
     finally:
