@@ -248,3 +248,22 @@ async def test_drain_of_an_external_engine_waits_for_its_running_requests():
         assert await asyncio.wait_for(waiter, 3) is True
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_prefill_answering_garbage_is_a_clear_502(make_pd, http, dialect):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect=dialect), retries=0)
+    pd.fleet.prefills[0].faults = MockFaults(garbage=True)
+    async with http.post(pd.url + "/v1/completions", json=BODY) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in err["message"]
+
+
+async def test_vllm_prefill_without_kv_transfer_params_names_the_field(make_pd, http):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect="vllm"), retries=0)
+    pd.fleet.prefills[0].faults = MockFaults(no_kv_params=True)
+    async with http.post(pd.url + "/v1/completions", json=BODY) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+    assert "kv_transfer_params" in err["message"] and pd.fleet.decodes[0].requests == 0
