@@ -65,13 +65,17 @@ class Rotary:
 
 
 class Layer:
-    """One decoder layer's weights (this TP rank's shard)."""
+    """One decoder layer's weights (this TP rank's shard); q/k/v and gate/up are fused into one
+    matrix each (one matmul instead of three and two: fewer kernel launches per step)."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str) -> None:
-        g = lambda n: w[prefix + n]  # noqa: E731
-        self.q, self.k, self.v, self.o = (g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
-                                          g("self_attn.v_proj.weight"), g("self_attn.o_proj.weight"))
-        self.gate, self.up, self.down = g("mlp.gate_proj.weight"), g("mlp.up_proj.weight"), g("mlp.down_proj.weight")
+        g = lambda n: w.pop(prefix + n)  # noqa: E731  (the fused copies replace the originals)
+        q, k, v = g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")
+        self.nq, self.nkv = q.shape[0], k.shape[0]
+        self.qkv = torch.cat([q, k, v], 0)
+        self.o = g("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")], 0)
+        self.down = g("mlp.down_proj.weight")
         self.ln1, self.ln2 = g("input_layernorm.weight"), g("post_attention_layernorm.weight")
 
 
@@ -107,7 +111,8 @@ class LlamaStage:
         for li, layer in enumerate(self.layers):
             x = x + self._attention(li, layer, rms_norm(x, layer.ln1, self.cfg.rms_norm_eps), batch, pool, cos, sin, dm)
             h = rms_norm(x, layer.ln2, self.cfg.rms_norm_eps)
-            x = x + self.all_reduce(F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down))
+            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
+            x = x + self.all_reduce(F.linear(F.silu(gate) * up, layer.down))
         if not self.par.last:
             return x
         rows, off = [], 0
@@ -121,12 +126,12 @@ class LlamaStage:
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
                    cos: torch.Tensor, sin: torch.Tensor, dm: "DecodeMeta | None") -> torch.Tensor:
         T, hd = h.shape[0], self.cfg.head_dim
-        q = F.linear(h, layer.q).view(T, self.heads, hd)
-        k = F.linear(h, layer.k).view(T, self.kv_heads, hd)
-        v = F.linear(h, layer.v).view(T, self.kv_heads, hd)
-        c, s_ = cos[:, None, :], sin[:, None, :]
-        q = q * c + rotate_half(q) * s_
-        k = k * c + rotate_half(k) * s_
+        qkv = F.linear(h, layer.qkv)
+        nqk = layer.nq + layer.nkv
+        qk = qkv[:, :nqk].view(T, self.heads + self.kv_heads, hd)
+        qk = qk * cos[:, None, :] + rotate_half(qk) * sin[:, None, :]  # q and k rotated together
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        v = qkv[:, nqk:].view(T, self.kv_heads, hd)
         pool.write(li, batch.slots, k, v)
         group = self.heads // self.kv_heads
         if dm is not None and len(dm.slices) == len(batch.slices):  # decode only: one padded attention
