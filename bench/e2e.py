@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq"])
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--pp-size", type=int, default=2)
+    ap.add_argument("--prefill-tp-size", type=int, default=1, help="> 1: a TP prefill (instead of --pp-size stages)")
     ap.add_argument("--tp-size", type=int, default=2)
     ap.add_argument("--prefill-device", help="the pipeline's device(s), one per stage allowed (default --device)")
     ap.add_argument("--decode-device", help="the decode engine's device(s), one per rank allowed (default --device)")
@@ -81,8 +82,8 @@ def main() -> None:
            "mono": a.mono_device or a.device}
     procs = []
     try:
-        p, (pre,) = _url(start([*MESH, "prefill", *common, "--device", dev["prefill"], "--pp-size", str(a.pp_size)],
-                               "prefill "))
+        shape = ["--tp-size", str(a.prefill_tp_size)] if a.prefill_tp_size > 1 else ["--pp-size", str(a.pp_size)]
+        p, (pre,) = _url(start([*MESH, "prefill", *common, "--device", dev["prefill"], *shape], "prefill "))
         procs.append(p)
         p, (dec,) = _url(start([*MESH, "decode", *common, "--device", dev["decode"], "--tp-size", str(a.tp_size)],
                                "decode "))

@@ -499,6 +499,8 @@ def parser() -> argparse.ArgumentParser:
     pf = sub.add_parser("prefill", help="a prefill pipeline on the reference engine (PP stage processes)")
     add_worker_options(pf)
     pf.add_argument("--pp-size", type=int, default=1)
+    pf.add_argument("--tp-size", type=int, default=1,
+                    help="a TP prefill instead (--pp-size 1): each rank prefills its KV heads and serves them")
     pf.add_argument("--partition", help="layers per stage, e.g. 18,20,20,20 (default: even)")
     pf.add_argument("--kv-ttl", type=float, default=120.0, help="seconds a transfer is held without release")
     pf.add_argument("--remote-stages", type=int, metavar="PORT",

@@ -278,3 +278,44 @@ def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected
     finally:
         for p in procs[::-1]:
             p.stop()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["mooncake", "zmq"])
+def test_tp_prefill_feeds_decodes_of_any_tp(ckpt, etcd_server, expected, backend):
+    """A TP=2 prefill (each rank prefills and serves its half of the KV heads, of every layer)
+    behind the mesh, feeding a TP=1 and a TP=2 decode engine: output equals HF, nothing held."""
+    cluster = f"c-tp-prefill-{backend}"
+    common = ["--checkpoint", str(ckpt), "--dtype", "float64", "--block-size", "4", "--num-blocks", str(NUM_BLOCKS),
+              "--max-batch-tokens", "32", "--kv-backend", backend, "--etcd", etcd_server.url, "--cluster", cluster,
+              "--ttl", "3"]
+    procs = []
+    try:
+        procs.append(Proc([MESH_BIN, "prefill", *common, "--tp-size", "2"], "ready", timeout=120))
+        procs.append(Proc([MESH_BIN, "decode", *common, "--tp-size", "1"], "ready", timeout=120))
+        procs.append(Proc([MESH_BIN, "decode", *common, "--tp-size", "2"], "ready", timeout=120))
+        procs.append(Proc([MESH_BIN, "serve", "--port", "0", "--etcd", etcd_server.url, "--cluster", cluster,
+                           "--decode-policy", "round_robin"], "mesh ", timeout=60))
+        url = procs[-1].lines[-1].split()[1]
+        deadline = time.monotonic() + 20
+        while len(httpx.get(url + "/workers").json()["workers"]) < 3 or httpx.get(url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "mesh never saw the three workers"
+            time.sleep(0.1)
+        with httpx.Client(timeout=60) as c:
+            for stream in (False, True):
+                for p in PROMPTS:
+                    r = c.post(url + "/v1/completions", json=body("c", p, stream))
+                    assert r.status_code == 200, r.text
+                    assert ids_of(r.content, stream) == expected[("c", p)], (p, stream)
+        pre = procs[0].lines[-2].split()[1]
+        decs = [procs[1].lines[-2].split()[1], procs[2].lines[-2].split()[1]]
+        assert all(httpx.get(d + "/load").json()["in_flight"] == 0 for d in decs)
+        deadline = time.monotonic() + 10
+        while httpx.get(pre + "/kv/held").json()["transfers"]:
+            assert time.monotonic() < deadline, "KV still held"
+            time.sleep(0.05)
+        pulls = [httpx.get(d + "/load").json() for d in decs]
+        assert all(p["free_blocks"] == NUM_BLOCKS for p in pulls)
+    finally:
+        for p in procs[::-1]:
+            p.stop()

@@ -65,3 +65,23 @@ def test_contiguous_ranges_are_merged():
     s, d, n = copy_plan([0, 10 ** 6], lay, [0, 10 ** 7], lay, 0, 4, [3, 4, 5, 9], [0, 1, 2, 7])
     # full heads: k and v of a block are adjacent, and blocks 3-5 -> 0-2 are consecutive on both sides
     assert len(s) == 2 * 2 and sum(n) == 2 * 4 * 2 * 4 * 4 * 8 * 8
+
+
+def test_a_tp_producer_moves_only_the_heads_both_sides_hold():
+    """A TP prefill rank holding heads [2, 4) of 4, into consumers of TP 1 (all 4 heads), TP 2
+    (heads [0, 2) and [2, 4)) and TP 4 (one head each)."""
+    src = Layout(2, 4, 8, 4)                      # 2 heads held, block 4, head_dim 8, 4-byte elements
+    span = src.head_span()                        # bytes of one head of one block (K or V)
+
+    def plan(dst_heads: int, start: int):
+        return copy_plan([0], src, [0], Layout(dst_heads, 4, 8, 4), start, start + dst_heads, [0], [0], src_head0=2)
+
+    s, d, n = plan(4, 0)                          # TP 1 consumer: our two heads land at heads 2-3
+    assert s == [0, src.offset(0, 1, 0)] and n == [2 * span] * 2
+    assert d == [Layout(4, 4, 8, 4).offset(0, 0, 2), Layout(4, 4, 8, 4).offset(0, 1, 2)]
+    assert plan(2, 0) == ([], [], [])             # TP 2, rank 0: holds heads 0-1, none of ours
+    s, d, n = plan(2, 2)                          # TP 2, rank 1: exactly ours (K and V adjacent: one range)
+    assert s == [0] and d == [0] and n == [4 * span]
+    s, d, n = plan(1, 3)                          # TP 4, rank 3: our second head
+    assert s == [src.offset(0, 0, 1), src.offset(0, 1, 1)] and d == [0, Layout(1, 4, 8, 4).offset(0, 1, 0)]
+    assert n == [span] * 2

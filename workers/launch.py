@@ -35,14 +35,22 @@ def engine_config(a: Any, device: str = "cpu") -> EngineConfig:
 
 async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:
     model = a.model or Path(a.checkpoint).name
-    devs = devices(a, a.pp_size if role == "prefill" else a.tp_size)
+    tp_prefill = role == "prefill" and a.tp_size > 1
+    if tp_prefill and (a.pp_size > 1 or a.remote_stages):
+        raise ConfigError("a prefill pipeline is PP x TP1 or TP x PP1: give --pp-size or --tp-size, not both")
+    devs = devices(a, a.pp_size if role == "prefill" and not tp_prefill else a.tp_size)
     cfg = engine_config(a, devs[0])
     if role == "prefill":
         from workers.engine.pp import PPEngine
+        from workers.engine.tp import TPEngine
         from workers.prefill import PrefillServer
 
-        engine: Any = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
-                               remote_port=a.remote_stages, devices=devs)
+        if tp_prefill:  # each TP rank serves its slice of the KV heads, of every layer
+            engine: Any = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host,
+                                   devices=devs, producer=True)
+        else:
+            engine = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
+                              remote_port=a.remote_stages, devices=devs)
         wid = a.id or f"prefill-{a.host}-{a.port}"
         server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl)
     else:
@@ -65,7 +73,8 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
         if role == "prefill":
             stages = tuple(StageRecord(pp_rank=s.pp_rank, host=s.host, kv_port=s.port, layers=s.layers)
                            for s in server.stage_addrs())
-            record: Any = PrefillRecord(id=wid, model=model, url=url, pp_size=a.pp_size, block_size=cfg.block_size,
+            record: Any = PrefillRecord(id=wid, model=model, url=url, pp_size=len(stages),
+                                        tp_size=a.tp_size if tp_prefill else 1, block_size=cfg.block_size,
                                         num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, stages=stages)
         else:
             stages = ()

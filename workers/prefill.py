@@ -1,4 +1,5 @@
-"""Prefill adapter: an OpenAI server in front of a PP stage engine, holding KV for PD.
+"""Prefill adapter: an OpenAI server in front of a PP stage engine (or a TP engine whose ranks
+each serve their KV heads), holding KV for PD.
 
 With `kv_transfer_params.do_remote_decode` the prompt is prefilled, its first token sampled,
 its blocks held (TransferHolder) and `kv_transfer_params` returned (PROTOCOL.md section 4); the
@@ -19,6 +20,7 @@ from aiohttp import web
 from mesh.errors import InvalidRequest, ProtocolError
 from mesh.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
 from workers.engine.pp import PPEngine
+from workers.engine.tp import TPEngine
 from workers.kv.holder import Held, TransferHolder
 from workers.kv.sidechannel import StageChannel
 from workers.kv.stage import make_writer, register_pool
@@ -31,10 +33,11 @@ log = logging.getLogger(__name__)
 class PrefillServer(EngineServer):
     role = "prefill"
 
-    def __init__(self, engine: PPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
+    def __init__(self, engine: PPEngine | TPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
                  host: str = "127.0.0.1", ttl_s: float = 120.0) -> None:
         super().__init__(engine, model, worker_id)
-        self.pp: PPEngine = engine
+        self.pp = engine
+        self.units = engine.producer_units()  # (rank, layers, first KV head) of each KV producer
         self.host = host
         self.holder = TransferHolder(None, ttl_s=ttl_s, on_free=self._freed)
         assert engine.pool is not None
@@ -45,17 +48,16 @@ class PrefillServer(EngineServer):
 
     def stage_addrs(self) -> tuple[StageAddr, ...]:
         assert self.stage0 is not None
-        out = [StageAddr(pp_rank=0, host=self.host, port=self.stage0.port, layers=self.pp.parts[0])]
-        for r in range(1, self.pp.pp_size):
+        out = [StageAddr(pp_rank=0, host=self.host, port=self.stage0.port, layers=self.units[0][1])]
+        for r, layers, _ in self.units[1:]:
             assert self.pp.ranks is not None
-            out.append(StageAddr(pp_rank=r, host=self.host, port=self.pp.ranks.infos[r]["kv_port"],
-                                 layers=self.pp.parts[r]))
+            out.append(StageAddr(pp_rank=r, host=self.host, port=self.pp.ranks.infos[r]["kv_port"], layers=layers))
         return tuple(out)
 
     async def start(self) -> None:
-        a, b = self.pp.parts[0]
+        _, (a, b), head0 = self.units[0]
         self.stage0 = StageChannel(host=self.host, port=0, pp_rank=0, holder=self.holder,
-                                   writer=make_writer(self.endpoint, a, b))
+                                   writer=make_writer(self.endpoint, a, b, head0))
         await self.stage0.start()
         self._expiry = asyncio.create_task(self._expire_loop())
 
@@ -123,7 +125,8 @@ class PrefillServer(EngineServer):
         params = KVHandoffParams(
             remote_engine_id=self.id, remote_host=self.host, remote_port=st[0].port,
             remote_handshake_port=st[0].port, remote_block_ids=tuple(seq.blocks), transfer_id=tid,
-            first_token_id=o.new_tokens[0], remote_pp_size=self.pp.pp_size, tp_size=1, dp_rank=0, stages=st,
+            first_token_id=o.new_tokens[0], remote_pp_size=len(st), tp_size=getattr(self.pp, "tp_size", 1), dp_rank=0,
+            stages=st,
             extra={"kv_backend": self.kv_backend})
         text = Detokenizer(self.engine.tokenizer).add(o.new_tokens)  # as a stream's first chunk would say it
         ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""))

@@ -123,6 +123,7 @@ class RankSpec:
     kv_host: str = "127.0.0.1"
     head: str = "127.0.0.1"           # where rank 0's store and control sockets listen
     backend: str = "gloo"             # the group's backend (group_backend of every rank's device)
+    producer: bool = False            # a TP prefill rank: serves its KV heads over the side channel
 
 
 def _rank_main(spec: RankSpec, ready: Any) -> None:
@@ -217,6 +218,9 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
             if spec.kind == "pp":
                 info["kv_port"], kv_loop = start_stage_thread(ep, spec.kv_host, spec.par.pp_rank,
                                                               spec.par.layer_start, spec.par.layer_end)
+            elif spec.producer:  # TP prefill rank r: every layer, its slice of the KV heads
+                info["kv_port"], kv_loop = start_stage_thread(ep, spec.kv_host, spec.rank, 0, mc.num_hidden_layers,
+                                                              head0=spec.rank * model.kv_heads)
         except Exception:  # noqa: BLE001 - reported to the parent
             ack(("error", traceback.format_exc()))
             return
@@ -277,7 +281,7 @@ class Ranks:
     def __init__(self, kind: str, checkpoint: str | Path, engine: EngineConfig, pars: list[Parallel],
                  start_timeout: float = 120.0, kv_backend: str | None = None, kv_host: str = "127.0.0.1",
                  remote_port: int | None = None, bind_host: str = "127.0.0.1",
-                 devices: list[str] | None = None) -> None:
+                 devices: list[str] | None = None, producer: bool = False) -> None:
         self.kind = kind
         self.world = len(pars)
         devices = devices or [engine.device] * self.world
@@ -307,7 +311,8 @@ class Ranks:
                 port = s.bind_to_random_port("tcp://127.0.0.1")
             self.socks.append(s)
             specs.append(RankSpec(kind, str(checkpoint), dataclasses.replace(engine, device=devices[r]), pars[r], r,
-                                  self.world, store_port, port, kv_backend, kv_host, backend=self.backend))
+                                  self.world, store_port, port, kv_backend, kv_host, backend=self.backend,
+                                  producer=producer))
         try:
             if self.remote:
                 self._join_remote(specs, start_timeout, bind_host)

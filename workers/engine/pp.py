@@ -75,6 +75,10 @@ class PPEngine(Engine):
         send = self.ranks.group.send([hidden], 1, 0)
         return work, sum(1 for s in batch.slices if s.want_logits), send, hidden
 
+    def producer_units(self) -> list[tuple[int, tuple[int, int], int]]:
+        """What each stage serves as a KV producer: (stage, layers [start, end), first KV head)."""
+        return [(r, part, 0) for r, part in enumerate(self.parts)]
+
     def stage_of(self, layer: int) -> tuple[int, int]:
         """(stage, local layer index) owning a global layer."""
         for r, (a, b) in enumerate(self.parts):

@@ -19,13 +19,14 @@ from workers.engine.model import ForwardBatch
 
 class TPEngine(Engine):
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig, tp_size: int, kv_backend: str | None = None,
-                 kv_host: str = "127.0.0.1", devices: list[str] | None = None) -> None:
+                 kv_host: str = "127.0.0.1", devices: list[str] | None = None, producer: bool = False) -> None:
+        """`producer`: a TP prefill engine, each rank serving its KV heads to decode engines."""
         if tp_size < 1:
             raise ValueError("tp_size must be >= 1")
         self.tp_size = tp_size
         pars = [Parallel(tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
         self.ranks = Ranks("tp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host,
-                           devices=devices) if tp_size > 1 else None
+                           devices=devices, producer=producer) if tp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0],
                              all_reduce=all_reduce_fn(self.ranks.group, self.ranks.wire.direct) if self.ranks else None)
@@ -37,6 +38,11 @@ class TPEngine(Engine):
         if self.ranks is not None:  # metadata to the other ranks on the CPU; each moves it to its device
             self.ranks.broadcast("forward", batch.to("cpu"), input_ids.cpu())
         return super()._local_forward(batch, input_ids)
+
+    def producer_units(self) -> list[tuple[int, tuple[int, int], int]]:
+        """What each rank serves as a KV producer: (rank, layers [start, end), first KV head)."""
+        layers = (0, self.model_cfg.num_hidden_layers)
+        return [(r, layers, self.head_range(r)[0]) for r in range(self.tp_size)]
 
     def head_range(self, rank: int) -> tuple[int, int]:
         per = self.model_cfg.num_key_value_heads // self.tp_size

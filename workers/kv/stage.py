@@ -37,8 +37,9 @@ def register_pool(pool: KVPool, backend: str, host: str) -> KVEndpoint:
     return KVEndpoint(t, t.register(pool.layers), pool_layout(pool))
 
 
-def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int) -> Any:
-    """The stage's writer: its layers, sliced to each consumer rank's heads, in one batched write."""
+def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int, head0: int = 0) -> Any:
+    """The producer's writer: its layers (a PP stage's, or all of a TP prefill rank's, whose pools
+    hold heads from `head0`), sliced to each consumer rank's heads, in one batched write."""
     async def write(req: WriteRequest, rank: ConsumerRank) -> None:
         lay = req.extra.get("layout") or {}
         dst = Layout(kv_heads=rank.head_end - rank.head_start, block_size=int(lay.get("block_size", 0)),
@@ -47,13 +48,14 @@ def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int) -> Any:
             raise ValueError(f"consumer rank {rank.tp_rank} lists {len(rank.region_addrs)} layers; "
                              f"this stage needs up to layer {layer_end}")
         plan = copy_plan(ep.regions, ep.layout, list(rank.region_addrs[layer_start:layer_end]), dst,
-                         rank.head_start, rank.head_end, list(req.src_block_ids), list(req.dst_block_ids))
-        await asyncio.to_thread(ep.transport.write, rank.segment, *plan)
+                         rank.head_start, rank.head_end, list(req.src_block_ids), list(req.dst_block_ids), head0)
+        if plan[0]:  # a TP producer may hold none of this rank's heads: nothing to move, still done
+            await asyncio.to_thread(ep.transport.write, rank.segment, *plan)
     return write
 
 
 def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int, layer_end: int,
-                       holder: Holder | None = None) -> tuple[int, asyncio.AbstractEventLoop]:
+                       holder: Holder | None = None, head0: int = 0) -> tuple[int, asyncio.AbstractEventLoop]:
     """Run a stage's side-channel server on its own thread and loop; returns its kv port and that
     loop (the stage's etcd enrollment runs there too)."""
     ready: list[tuple[int, asyncio.AbstractEventLoop]] = []
@@ -61,7 +63,7 @@ def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int
 
     async def serve() -> None:
         ch = StageChannel(host=host, port=0, pp_rank=pp_rank, holder=holder,
-                          writer=make_writer(ep, layer_start, layer_end))
+                          writer=make_writer(ep, layer_start, layer_end, head0))
         await ch.start()
         ready.append((ch.port, asyncio.get_running_loop()))
         ev.set()

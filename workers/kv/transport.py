@@ -252,21 +252,27 @@ class Layout:
 
 
 def copy_plan(src_bases: list[int], src: Layout, dst_bases: list[int], dst: Layout, head_start: int,
-              head_end: int, src_blocks: list[int], dst_blocks: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Ranges that move this stage's layers (sliced to heads [head_start, head_end)) into a consumer
-    rank's blocks. `src_bases[i]` and `dst_bases[i]` are the same layer's pool in both processes."""
+              head_end: int, src_blocks: list[int], dst_blocks: list[int],
+              src_head0: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """Ranges that move this producer's layers into a consumer rank's blocks. The consumer holds
+    KV heads [head_start, head_end); the producer holds [src_head0, src_head0 + src.kv_heads) (all
+    heads for a PP stage, a slice for a TP prefill rank): what both hold moves, maybe nothing.
+    `src_bases[i]` and `dst_bases[i]` are the same layer's pool in both processes."""
     if src.block_size != dst.block_size or src.head_dim != dst.head_dim or src.elem != dst.elem:
         raise KVTransferError(f"KV layouts differ: producer {src}, consumer {dst}")
-    if head_end - head_start != dst.kv_heads or head_end > src.kv_heads:
-        raise KVTransferError(f"head range [{head_start}, {head_end}) does not fit {src.kv_heads} -> {dst.kv_heads}")
-    n = (head_end - head_start) * src.head_span()
+    if head_end - head_start != dst.kv_heads or head_start < 0 or src_head0 < 0:
+        raise KVTransferError(f"head range [{head_start}, {head_end}) does not fit the consumer's {dst.kv_heads}")
+    a, b = max(head_start, src_head0), min(head_end, src_head0 + src.kv_heads)
+    if a >= b:
+        return [], [], []  # this producer holds none of the consumer's heads
+    n = (b - a) * src.head_span()
     s_out: list[int] = []
     d_out: list[int] = []
     l_out: list[int] = []
     for sb_base, db_base in zip(src_bases, dst_bases):
         for sb, db in zip(src_blocks, dst_blocks):
             for kv in (0, 1):
-                s, d = sb_base + src.offset(sb, kv, head_start), db_base + dst.offset(db, kv, 0)
+                s, d = sb_base + src.offset(sb, kv, a - src_head0), db_base + dst.offset(db, kv, a - head_start)
                 if l_out and s_out[-1] + l_out[-1] == s and d_out[-1] + l_out[-1] == d:
                     l_out[-1] += n          # contiguous on both sides: one range
                 else:
