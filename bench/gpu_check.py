@@ -7,7 +7,8 @@
    tokens identical to HF on every prompt, last-position logits within 1e-3 relative.
 2. bf16: the same engine against HF bf16 (greedy tokens agree while the two stay within bf16
    rounding: the share of identical tokens is reported, not asserted).
-3. PD through the mesh on this machine: real `mesh prefill --device cuda --pp-size 2` and
+3. PD through the mesh on this machine: real `mesh prefill --device cuda --pp-size 2` (then a
+   TP=2 prefill, `--tp-size 2`, each rank serving its KV heads) and
    `mesh decode --device cuda --tp-size 2` processes with the ZMQ KV transport (the bundled
    Mooncake build moves host memory only), `mesh serve` over them; the answers' token ids equal
    HF's greedy tokens.
@@ -107,7 +108,7 @@ def pd_handoff(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
         dec.close()
 
 
-def through_the_mesh(ckpt: Path, device: str, ref: list) -> None:
+def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[str, str] = ("--pp-size", "2")) -> None:
     import httpx
 
     common = ["--checkpoint", str(ckpt), "--device", device, "--dtype", "float32", "--kv-backend", "zmq",
@@ -115,7 +116,7 @@ def through_the_mesh(ckpt: Path, device: str, ref: list) -> None:
     procs = []
     try:
         t0 = time.monotonic()
-        p, lines = start([*MESH, "prefill", *common, "--pp-size", "2"], "ready")
+        p, lines = start([*MESH, "prefill", *common, *prefill_shape], "ready")
         procs.append(p)
         pre = lines[-2].split()[1]
         p, lines = start([*MESH, "decode", *common, "--tp-size", "2"], "ready")
@@ -147,7 +148,8 @@ def through_the_mesh(ckpt: Path, device: str, ref: list) -> None:
                         ids = r.json()["choices"][0]["token_ids"]
                     ok = ok and ids == ref[i][1]
             held = c.get(pre + "/kv/held").json()["transfers"]
-        report("PD through the mesh on the GPU (PP=2 -> TP=2, ZMQ KV), greedy ids == HF", ok and not held,
+        shape = "PP=2" if prefill_shape[0] == "--pp-size" else "TP=2 prefill"
+        report(f"PD through the mesh on the GPU ({shape} -> TP=2, ZMQ KV), greedy ids == HF", ok and not held,
                workers_started_s=round(started, 1))
     finally:
         for p in procs[::-1]:
@@ -186,6 +188,7 @@ def main() -> None:
     cfg16 = EngineConfig(dtype="bfloat16", block_size=4, num_blocks=512, max_batch_tokens=32, device=a.device)
     compare("bf16 monolithic vs HF bf16", Engine(ckpt, cfg16), ref16, exact=False)
     through_the_mesh(ckpt, a.device, ref32)
+    through_the_mesh(ckpt, a.device, ref32, ("--tp-size", "2"))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(RESULTS, indent=2))
     sys.exit(0 if all(r["ok"] for r in RESULTS) else 1)
