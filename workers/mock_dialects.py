@@ -59,6 +59,19 @@ async def _hold(w: "MockPrefill", request: web.Request, body: dict[str, Any], pr
     return blocks
 
 
+async def _pulled(w: "MockDecode", method: str, url: str, body: dict[str, Any] | None = None) -> bool:
+    """The decode's KV fetch from the prefill side; a failure is counted on the engine."""
+    try:
+        async with w.http.request(method, url, json=body) as r:
+            ok = r.status == 200
+            await r.read()
+    except (aiohttp.ClientError, TimeoutError):
+        ok = False
+    if not ok:
+        w.pulls_failed += 1
+    return ok
+
+
 # -- vllm -------------------------------------------------------------------------------------
 
 async def vllm_prefill(w: "MockPrefill", request: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
@@ -95,15 +108,8 @@ async def vllm_decode(w: "MockDecode", request: web.Request, kind: str, body: di
         if kvp.get(k) is None:
             return m._error(400, f"kv_transfer_params.{k} is missing", f"kv_transfer_params.{k}")
     url = f"http://{kvp['remote_host']}:{kvp['remote_port']}/mock/vllm/read"
-    try:
-        async with w.http.post(url, json={"remote_request_id": kvp["remote_request_id"],
-                                          "remote_block_ids": kvp["remote_block_ids"]}) as r:
-            ok = r.status == 200
-            await r.read()
-    except (aiohttp.ClientError, TimeoutError):
-        ok = False
-    if not ok:
-        w.pulls_failed += 1
+    if not await _pulled(w, "POST", url, {"remote_request_id": kvp["remote_request_id"],
+                                          "remote_block_ids": kvp["remote_block_ids"]}):
         return m._error(500, f"KV read from {kvp['remote_engine_id']} failed", None)
     prompt = _prompt(kind, body)
     return await w.answer(request, kind, body, prompt, m.first_token(prompt))
@@ -155,14 +161,7 @@ async def sglang_decode(w: "MockDecode", request: web.Request, kind: str, body: 
         return boot
     host, port, room = boot
     url = f"http://{host}:{port}/mock/sglang/room/{room}?wait={w.pull_deadline_s}"
-    try:
-        async with w.http.get(url) as r:
-            ok = r.status == 200
-            await r.read()
-    except (aiohttp.ClientError, TimeoutError):
-        ok = False
-    if not ok:
-        w.pulls_failed += 1
+    if not await _pulled(w, "GET", url):
         return m._error(500, f"KV for room {room} never arrived from {host}:{port}", None)
     prompt = _prompt(kind, body)
     return await w.answer(request, kind, body, prompt, m.first_token(prompt))

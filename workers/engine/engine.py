@@ -34,7 +34,8 @@ class StepOutput:
     error: str | None = None
 
 
-def build_batch(work: list[Work], block_size: int, device: str = "cpu") -> tuple[ForwardBatch, torch.Tensor]:
+def build_batch(work: list[Work], block_size: int) -> tuple[ForwardBatch, torch.Tensor]:
+    """A step's batch on the host (it may go to other ranks first; `ForwardBatch.to` moves it)."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -46,8 +47,8 @@ def build_batch(work: list[Work], block_size: int, device: str = "cpu") -> tuple
         pos += rng
         bl = w.seq.blocks
         slots += [bl[p // block_size] * block_size + p % block_size for p in rng]
-        slices.append(SeqSlice(w.start, w.n, torch.tensor(bl, dtype=torch.long, device=device), w.want_logits))
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        slices.append(SeqSlice(w.start, w.n, torch.tensor(bl, dtype=torch.long), w.want_logits))
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return ForwardBatch(slices, as_t(pos), as_t(slots)), as_t(ids)
 
 
@@ -74,7 +75,8 @@ class Engine:
 
     def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None and self.pool is not None
-        return self.model.forward(batch, self.pool, input_ids=input_ids)
+        dev = self.cfg.device
+        return self.model.forward(batch.to(dev), self.pool, input_ids=input_ids.to(dev))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return out
-        batch, ids = build_batch(work, self.cfg.block_size, self.cfg.device)
+        batch, ids = build_batch(work, self.cfg.block_size)
         return out + self._apply(work, self._forward(batch, ids))
 
     def _rejections(self) -> list[StepOutput]:

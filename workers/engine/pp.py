@@ -68,7 +68,7 @@ class PPEngine(Engine):
         """Stage 0's part of a micro-batch; the hidden states go on to stage 1 without waiting
         (the tensor is kept until the send is done)."""
         assert self.model is not None and self.pool is not None and self.ranks is not None
-        batch, ids = build_batch(work, self.cfg.block_size, "cpu")
+        batch, ids = build_batch(work, self.cfg.block_size)
         self.ranks.broadcast("forward", batch, None)
         dev = self.cfg.device
         hidden = self.ranks.wire.out(self.model.forward(batch.to(dev), self.pool, input_ids=ids.to(dev)))

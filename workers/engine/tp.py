@@ -35,8 +35,8 @@ class TPEngine(Engine):
             raise
 
     def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.ranks is not None:  # metadata to the other ranks on the CPU; each moves it to its device
-            self.ranks.broadcast("forward", batch.to("cpu"), input_ids.cpu())
+        if self.ranks is not None:  # the host batch to the other ranks; each moves it to its device
+            self.ranks.broadcast("forward", batch, input_ids)
         return super()._local_forward(batch, input_ids)
 
     def producer_units(self) -> list[tuple[int, tuple[int, int], int]]:
