@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -67,7 +66,8 @@ class MeshState:
     started_at: float
     ledger: Ledger
     admission: Admission
-    proxy: Proxy | None = None
+    upstream: Upstream
+    proxy: Proxy
 
 
 STATE = web.AppKey("atomesh_state", MeshState)
@@ -142,7 +142,6 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
-        assert st.proxy is not None
         async with st.admission.slot(key_id):
             resp = await st.proxy.handle(request, creq)
         status = resp.status
@@ -236,13 +235,8 @@ async def kv_ledger(request: web.Request) -> web.Response:
 async def _runtime(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
     cfg = st.cfg
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-    session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
-                                    auto_decompress=False)
-    upstream = Upstream(session, st.fleet, st.metrics, cfg.timeouts)
-    st.proxy = Proxy(cfg, st.fleet, upstream, st.metrics, st.policies, st.background, st.mesh_id, st.ledger,
-                     app[TRACING])
-    st.ledger.upstream = upstream
+    await st.upstream.start()
+    session = st.upstream.session
     await st.fleet.registry.start(st.fleet.on_membership)
     await st.fleet.probe_all(session, timeout=min(2.0, cfg.health_interval * 2))
     tasks = [asyncio.create_task(st.fleet.run_probes(session, cfg.health_interval), name="health-probes")]
@@ -263,8 +257,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
             await replica.close(revoke=True)
         await st.background.drain(cfg.timeouts.release)
         await st.fleet.registry.close()
-        await upstream.h1.close()
-        await session.close()
+        await st.upstream.close()
 
 
 def _replica_keeper(st: MeshState) -> Any:
@@ -313,20 +306,24 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
 
     fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, breaker_open_s=cfg.breaker_open_s,
                   on_rebuild=on_rebuild)
-    ledger_box: list[Ledger] = []
+    ledger: Ledger  # the metrics read its gauges; bound below, before anything runs
     metrics_ = Metrics(fleet.in_flight_rows,
                        lambda: (registry.stale, getattr(registry, "watch_restarts", 0)),  # type: ignore[union-attr]
-                       lambda: ledger_box[0].gauge_rows())
+                       lambda: ledger.gauge_rows())
     mesh_id = mesh_id or cfg.mesh_id or (f"mesh-{socket.gethostname()}-{cfg.port}" if cfg.port
                                          else f"mesh-{os.urandom(4).hex()}")
-    ledger = Ledger(mesh_id, fleet, metrics_, grace_s=cfg.ledger_grace, interval_s=cfg.ledger_interval)
-    ledger_box.append(ledger)
+    upstream = Upstream(fleet, metrics_, cfg.timeouts)
+    ledger = Ledger(mesh_id, fleet, metrics_, upstream, grace_s=cfg.ledger_grace, interval_s=cfg.ledger_interval)
+    background = Background()
+    tracing = Tracing.from_env(tracer_provider)
+    proxy = Proxy(cfg, fleet, upstream, metrics_, policies, background, mesh_id, ledger, tracing)
     st = MeshState(cfg=cfg, mesh_id=mesh_id, fleet=fleet, metrics=metrics_, policies=policies,
-                   background=Background(), started_at=time.time(), ledger=ledger, admission=Admission(cfg.admission))
+                   background=background, started_at=time.time(), ledger=ledger,
+                   admission=Admission(cfg.admission), upstream=upstream, proxy=proxy)
     app = web.Application(middlewares=[errors_middleware, admin_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[STATE] = st
-    app[TRACING] = Tracing.from_env(tracer_provider)
+    app[TRACING] = tracing
     app.cleanup_ctx.append(_runtime)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

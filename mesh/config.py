@@ -38,7 +38,7 @@ from mesh.admission import AdmissionConfig
 from mesh.dialects import check_dialect
 from mesh.errors import ConfigError, ProtocolError
 from mesh.etcd import EtcdConfig
-from mesh.protocol import DecodeRecord, PrefillRecord
+from mesh.protocol import DecodeRecord, PrefillRecord, check_capabilities
 from mesh.request import Limits
 from mesh.snapshot import Worker
 
@@ -141,6 +141,9 @@ def make_worker(role: str, spec: dict[str, Any], index: int) -> Worker:
     try:
         record = cls.decode(data, where)
         check_dialect(record.dialect, f"{where}.dialect")
+        check_capabilities(record.capabilities, f"{where}.capabilities")
+        if getattr(record, "dp_size", 1) < 1 or record.tp_size < 1:
+            raise ProtocolError(f"{where}: tp_size and dp_size must be >= 1", param=f"{where}.dp_size")
     except ProtocolError as e:
         raise ConfigError(str(e)) from None
     return Worker(id=record.id, role=role, url=url, model=record.model, record=record)  # type: ignore[arg-type]

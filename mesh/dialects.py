@@ -17,16 +17,14 @@ and a prefill pipeline is paired only with decode engines of its own dialect.
   prefill and the decode at once; the decode's answer is the client's (streamed or not). The
   engines rendezvous on the room and free the KV themselves (engine-managed KV).
 
-Pure functions only; the flows that use them live in `mesh.proxy`.
+The per-dialect steps are `mesh.flows` (one `Flow` each); this module holds the names.
 """
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from mesh.errors import ProtocolError
-from mesh.snapshot import Worker
 
 ATOM = "atom"
 VLLM = "vllm"
@@ -50,44 +48,3 @@ def one_token(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
     return out
-
-
-# -- vllm -------------------------------------------------------------------------------------
-
-def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    out = one_token(body)
-    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    return out
-
-
-def vllm_decode_params(raw: Any) -> dict[str, Any]:
-    """The prefill answer's `kv_transfer_params`, checked for what a vLLM decode needs, verbatim."""
-    if not isinstance(raw, dict):
-        raise ProtocolError("the prefill answer has no kv_transfer_params object", param="kv_transfer_params")
-    if not raw.get("do_remote_prefill"):
-        raise ProtocolError("kv_transfer_params.do_remote_prefill is not true", param="kv_transfer_params")
-    for k in ("remote_engine_id", "remote_block_ids"):
-        if raw.get(k) is None:
-            raise ProtocolError(f"kv_transfer_params.{k} is missing", param=f"kv_transfer_params.{k}")
-    return raw
-
-
-# -- sglang -----------------------------------------------------------------------------------
-
-def sglang_bootstrap(pipeline: Worker) -> dict[str, Any]:
-    """Where the decode meets the prefill: its bootstrap server and a fresh room (63 bits)."""
-    extra = pipeline.record.extra
-    port = extra.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
-    host = extra.get("bootstrap_host") or pipeline.host
-    return {"bootstrap_host": host, "bootstrap_port": int(port), "bootstrap_room": secrets.randbits(63)}
-
-
-def sglang_bodies(body: dict[str, Any], pipeline: Worker) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(prefill body, decode body): the client's body plus the same bootstrap fields; the prefill
-    leg is not streamed (its answer only says the prefill finished)."""
-    boot = sglang_bootstrap(pipeline)
-    dec = {**body, **boot}
-    pre = {**body, **boot, "stream": False}
-    pre.pop("stream_options", None)
-    return pre, dec

@@ -17,12 +17,18 @@ class MeshError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = None
+    # a failed leg: may the worker still hold KV for it? (a cut-off prefill may; one that answered,
+    # or never connected, does not). Declared per class, overridden per error by the leg that knows.
+    may_hold_kv: bool = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int | None = None, headers: dict[str, str] | None = None) -> None:
+                 status: int | None = None, headers: dict[str, str] | None = None,
+                 may_hold_kv: bool | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if may_hold_kv is not None:
+            self.may_hold_kv = may_hold_kv
         if code is not None:
             self.code = code
         if status is not None:
@@ -84,6 +90,7 @@ class UpstreamError(MeshError):
     status = 502
     type = "upstream_error"
     code = "upstream_error"
+    may_hold_kv = True
 
 
 class KVSourceLost(UpstreamError):
@@ -100,7 +107,7 @@ class UpstreamClientError(MeshError):
     type = "invalid_request_error"
 
     def __init__(self, status: int, raw_body: bytes, message: str) -> None:
-        super().__init__(message, status=status, code="upstream_rejected")
+        super().__init__(message, status=status, code="upstream_rejected", may_hold_kv=False)
         self.raw_body = raw_body
 
     def body(self) -> bytes:
@@ -111,6 +118,7 @@ class UpstreamTimeout(MeshError):
     status = 504
     type = "upstream_timeout"
     code = "upstream_timeout"
+    may_hold_kv = True
 
 
 class NoWorker(MeshError):

@@ -25,7 +25,7 @@ import orjson
 from mesh.dialects import check_dialect
 from mesh.errors import ProtocolError
 from mesh.etcd import EtcdConfig, Keys, open_client
-from mesh.protocol import DecodeRecord, MeshRecord, PrefillRecord, StageLiveness
+from mesh.protocol import DecodeRecord, MeshRecord, PrefillRecord, StageLiveness, check_capabilities
 from mesh.snapshot import Worker
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,11 @@ def build_workers(keys: Keys, kv: dict[bytes, bytes]) -> tuple[tuple[Worker, ...
             if kind == "prefill":
                 pipelines[ident] = PrefillRecord.decode(data, key.decode())
                 check_dialect(pipelines[ident].dialect, key.decode() + ".dialect")
+                check_capabilities(pipelines[ident].capabilities, key.decode() + ".capabilities")
             elif kind == "decode":
                 decodes[ident] = DecodeRecord.decode(data, key.decode())
                 check_dialect(decodes[ident].dialect, key.decode() + ".dialect")
+                check_capabilities(decodes[ident].capabilities, key.decode() + ".capabilities")
             elif kind == "mesh":
                 meshes[ident] = MeshRecord.decode(data, key.decode())
             else:

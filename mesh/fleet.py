@@ -1,9 +1,10 @@
 """The mesh's live picture of its fleet: membership, health, load and the routing table.
 
 Membership comes from a `Registry` (static here, etcd later). Health comes from an active
-probe of each worker's `GET /load` every `health_interval` seconds (`GET /health` for engines
-without `/load`, such as vLLM and SGLang) and passively from
-failed calls. The routing table is rebuilt only when membership or health changes; the
+probe every `health_interval` seconds, gated by the worker's capabilities (PROTOCOL.md section 8):
+`GET /load` where the worker declares `load_v1`, `GET /health` otherwise, and passively from
+failed calls. A worker that declares no capability (a static `--prefill URL`) is asked `GET /load`
+once: a load report there lists its capabilities; any other answer means it has none. The routing table is rebuilt only when membership or health changes; the
 request path reads `fleet.table` and the `in_flight` counter dict, nothing else.
 """
 
@@ -19,7 +20,7 @@ import aiohttp
 import orjson
 
 from mesh.errors import ProtocolError
-from mesh.protocol import LoadReport
+from mesh.protocol import LOAD_V1, LoadReport, check_capabilities
 from mesh.snapshot import RoutingTable, Worker
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Fleet:
         self._fails: dict[str, int] = {}          # consecutive failed calls (the circuit breaker)
         self._probe_fails: dict[str, int] = {}    # consecutive failed /load probes
         self._no_load: set[str] = set()           # workers without /load: probed at /health
+        self.learnt_caps: dict[str, tuple[str, ...]] = {}  # from /load, for workers that declare none
         self._healthy: set[str] = set()
         self._known: tuple[Worker, ...] = ()
         self._on_rebuild = on_rebuild
@@ -83,6 +85,9 @@ class Fleet:
         for w in self.registry.workers():
             if not w.model and self.models.get(w.id):
                 w = dataclasses.replace(w, model=self.models[w.id])
+            caps = self.learnt_caps.get(w.id)
+            if caps and not w.record.capabilities:
+                w = dataclasses.replace(w, record=dataclasses.replace(w.record, capabilities=caps))
             out.append(w)
         return tuple(out)
 
@@ -97,7 +102,8 @@ class Fleet:
         ws = self.workers()
         ids = {w.id for w in ws}
         self._healthy &= ids
-        for d in (self._fails, self._probe_fails, self._open_until, self.loads, self.models, self.kv_free):
+        for d in (self._fails, self._probe_fails, self._open_until, self.loads, self.models, self.kv_free,
+                  self.learnt_caps):
             for k in [k for k in d if k not in ids]:
                 del d[k]
         self.table = RoutingTable.build(ws, frozenset(self._healthy))
@@ -165,18 +171,31 @@ class Fleet:
 
     async def _probe(self, session: aiohttp.ClientSession, w: Worker, timeout: float) -> None:
         to = aiohttp.ClientTimeout(total=timeout)
+        declared = w.record.capabilities
         try:
-            if w.id not in self._no_load:
+            if LOAD_V1 in declared or (not declared and w.id not in self._no_load):
                 async with session.get(f"{w.url}/load", timeout=to) as r:
-                    if r.status == 404:  # an engine without Atomesh's /load (vLLM, SGLang): /health from now on
-                        self._no_load.add(w.id)
-                    elif r.status != 200:
-                        raise ProtocolError(f"/load answered {r.status}")
-                    else:
-                        load = self.loads[w.id] = LoadReport.decode(orjson.loads(await r.read()), "load")
-                        if w.role == "prefill" and load.num_blocks:
-                            self.kv_free[w.id] = load.free_blocks
-            if w.id in self._no_load:
+                    raw = await r.read() if r.status == 200 else b""
+                    status = r.status
+                load = None
+                if status == 200:
+                    try:
+                        load = LoadReport.decode(orjson.loads(raw), "load")
+                        check_capabilities(load.capabilities, "load.capabilities")
+                    except (orjson.JSONDecodeError, ProtocolError):
+                        if declared:
+                            raise
+                if load is not None:
+                    self.loads[w.id] = load
+                    if not declared:
+                        self.learnt_caps[w.id] = load.capabilities
+                    if w.role == "prefill" and load.num_blocks:
+                        self.kv_free[w.id] = load.free_blocks
+                elif declared:
+                    raise ProtocolError(f"/load answered {status}")
+                else:  # no load report here (404, or another engine's /load): /health from now on
+                    self._no_load.add(w.id)
+            if LOAD_V1 not in w.record.capabilities and (declared or w.id in self._no_load):
                 async with session.get(f"{w.url}/health", timeout=to) as r:
                     if r.status != 200:
                         raise ProtocolError(f"/health answered {r.status}")

@@ -10,6 +10,13 @@ PROTOCOL.md section 7. Per request:
       -> EXPIRED    the holder's own TTL freed it
       -> NO_KV      the prefill never held anything (it failed, or was cut off and nothing
                     showed up for the request id within `grace_s`)
+      -> UNRECLAIMABLE  an orphaned transfer on an engine without a release API that no drain leg
+                    could free (counted in atomesh_kv_unreclaimable_total, logged with the transfer)
+
+What it tracks (PROTOCOL.md sections 7-8): the transfers of pipelines with the holder API, and the
+orphaned transfers of pipelines without one (ATOM) that the mesh drains with a one-token decode leg
+(`orphan` -> RECLAIMED "drained" or UNRECLAIMABLE). Nothing else: an engine that manages its own KV
+(vLLM's lease, SGLang's rooms) is never polled for a listing it does not serve.
 
 The mesh does not see the consumer's release (it goes decode -> stage 0 over ZMQ): it learns
 the outcome by reconciling with each pipeline's `GET /kv/held?since=SEQ`, which lists what is
@@ -30,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import orjson
 
 from mesh.errors import ProtocolError
-from mesh.protocol import HeldList
+from mesh.protocol import HOLDER_API, HeldList
 from mesh.snapshot import Worker
 
 if TYPE_CHECKING:
@@ -49,9 +56,10 @@ class State(str, enum.Enum):
     RECLAIMED = "RECLAIMED"
     EXPIRED = "EXPIRED"
     NO_KV = "NO_KV"
+    UNRECLAIMABLE = "UNRECLAIMABLE"
 
 
-TERMINAL = frozenset({State.RELEASED, State.RECLAIMED, State.EXPIRED, State.NO_KV})
+TERMINAL = frozenset({State.RELEASED, State.RECLAIMED, State.EXPIRED, State.NO_KV, State.UNRECLAIMABLE})
 _BY_PATH = {"consumer": State.RELEASED, "ttl": State.EXPIRED, "mesh-reclaim": State.RECLAIMED}
 
 
@@ -68,11 +76,13 @@ class Entry:
     look_until: float = 0.0         # prefill cut off: look for a transfer of this request until then
     adopted: bool = False           # found on a pipeline under our mesh id, not started by us
     reclaiming: bool = False
+    drained: bool = False           # an orphan on an engine without the holder API: freed by a drain leg
 
 
 class Ledger:
-    def __init__(self, mesh_id: str, fleet: "Fleet", metrics: "Metrics", *, grace_s: float = 5.0,
-                 interval_s: float = 0.5, full_interval_s: float = 10.0, recent: int = 200) -> None:
+    def __init__(self, mesh_id: str, fleet: "Fleet", metrics: "Metrics", upstream: "Upstream", *,
+                 grace_s: float = 5.0, interval_s: float = 0.5, full_interval_s: float = 10.0,
+                 recent: int = 200) -> None:
         if grace_s <= 0 or interval_s <= 0 or full_interval_s <= 0:
             raise ValueError("grace_s, interval_s and full_interval_s must be > 0")
         self.mesh_id = mesh_id
@@ -91,7 +101,7 @@ class Ledger:
         self._finished: deque[str] = deque(maxlen=8192)  # transfer ids recently finished (no re-adoption)
         self._finished_set: set[str] = set()
         self._last_full = 0.0
-        self.upstream: "Upstream | None" = None
+        self.upstream = upstream
         self.began = 0
 
     # -- the request path (synchronous, cheap) ------------------------------------------------
@@ -109,6 +119,24 @@ class Ledger:
         e.state, e.transfer_id, e.blocks, e.held_at = State.HELD, transfer_id, blocks, time.monotonic()
         self.by_transfer[transfer_id] = e
         self.fleet.kv_taken(e.pipeline.id, blocks)
+
+    def orphan(self, request_id: str, pipeline: Worker, transfer_id: str, blocks: int) -> Entry:
+        """A transfer of a pipeline without the holder API whose decode never pulled it: the mesh
+        drains it (`drained` / `unreclaimable` end it); reconciliation never polls for it."""
+        e = Entry(f"{request_id}:drain:{transfer_id}", pipeline, State.HELD, time.monotonic(), transfer_id, blocks,
+                  held_at=time.monotonic(), drained=True)
+        self.open[(pipeline.id, e.request_id)] = e
+        self.began += 1
+        return e
+
+    def drained(self, e: Entry) -> None:
+        self.finish(e, State.RECLAIMED, "drained")
+
+    def unreclaimable(self, e: Entry, why: str) -> None:
+        log.warning("transfer %s on %s (%d blocks) could not be freed: %s", e.transfer_id, e.pipeline.id,
+                    e.blocks, why)
+        self.metrics.unreclaimable(e.pipeline.id)
+        self.finish(e, State.UNRECLAIMABLE, "no-drain")
 
     def prefill_failed(self, e: Entry, *, uncertain: bool) -> None:
         """A definite refusal ends as NO_KV; a cut-off prefill is looked for until the grace ends."""
@@ -156,7 +184,6 @@ class Ledger:
 
     async def reclaim(self, e: Entry, reason: str) -> None:
         """Free the transfer on its pipeline now; the answer tells which path freed it."""
-        assert self.upstream is not None
         if e.state in TERMINAL or e.reclaiming or not e.transfer_id:
             return
         e.reclaiming = True
@@ -187,10 +214,12 @@ class Ledger:
         full = full or now - self._last_full >= self.full_interval_s
         if full:
             self._last_full = now
-            targets = [w for w in self.fleet.workers() if w.role == "prefill" and w.record.dialect == "atom"]
+            targets = [w for w in self.fleet.workers() if w.role == "prefill" and w.has(HOLDER_API)]
         else:
             seen: dict[str, Worker] = {}
             for e in self.open.values():
+                if e.drained:
+                    continue
                 if e.decode_done_at or e.look_until or e.state == State.DECODING:
                     seen.setdefault(e.pipeline.id, e.pipeline)
             targets = list(seen.values())
@@ -198,7 +227,6 @@ class Ledger:
             await asyncio.gather(*(self._reconcile_pipeline(w) for w in targets))
 
     async def _reconcile_pipeline(self, w: Worker) -> None:
-        assert self.upstream is not None
         raw = await self.upstream.get_held(w, self._since.get(w.id, 0))
         try:
             listing = HeldList.decode(orjson.loads(raw), "kv/held") if raw is not None else None
@@ -242,7 +270,7 @@ class Ledger:
                 continue
             if e.decode_done_at and now - e.decode_done_at > self.grace_s:
                 pending.append(self.reclaim(e, "lost-release"))
-        for e in [e for e in self.open.values() if e.pipeline.id == w.id]:
+        for e in [e for e in self.open.values() if e.pipeline.id == w.id and not e.drained]:
             if e.look_until and not e.transfer_id and now > e.look_until:
                 self.finish(e, State.NO_KV, "prefill-cut-off")
             elif e.transfer_id and e.transfer_id not in held_ids and (e.decode_done_at or e.adopted) \
@@ -256,7 +284,7 @@ class Ledger:
         """The holder cannot be asked. Past a few grace periods, close what waits on it: a cut-off
         prefill as NO_KV, a held transfer as EXPIRED (the holder's own TTL frees it if it lives)."""
         now = time.monotonic()
-        for e in [e for e in self.open.values() if e.pipeline.id == w.id]:
+        for e in [e for e in self.open.values() if e.pipeline.id == w.id and not e.drained]:
             if e.look_until and not e.transfer_id and now > e.look_until + self.grace_s:
                 self.finish(e, State.NO_KV, "holder-unreachable")
             elif e.transfer_id and (e.decode_done_at or e.adopted) and now - e.decode_done_at > 3 * self.grace_s:
@@ -295,8 +323,9 @@ class Ledger:
 
 
 class Untracked:
-    """The ledger's calls for dialects whose engines free their own KV (vllm, sglang): nothing to
-    track here, since the mesh can neither list nor release what those engines hold."""
+    """The ledger's calls for pipelines without the holder API: nothing to track on the request
+    path, since the mesh can neither list nor release what those engines hold (orphans of engines
+    that need a drain are booked with `Ledger.orphan`)."""
 
     def begin(self, request_id: str, pipeline: Worker) -> None:
         return None

@@ -87,6 +87,10 @@ class Metrics:
                                           buckets=LATENCY_BUCKETS, registry=r)
         self._dup_releases = Counter("atomesh_kv_duplicate_releases", "Releases the holder had already done",
                                      registry=r)
+        self._drains = Counter("atomesh_kv_drains", "Drain legs run for orphaned transfers (engines without "
+                               "a release API), by outcome", ["outcome"], registry=r)
+        self._unreclaimable = Counter("atomesh_kv_unreclaimable", "Orphaned transfers the mesh could not free",
+                                      ["pipeline"], registry=r)
         self._cache: dict[tuple[str, ...], object] = {}
 
     def _child(self, metric: object, *labels: str) -> object:
@@ -119,6 +123,12 @@ class Metrics:
         self._child(self._terminal, state, reason).inc()  # type: ignore[attr-defined]
         if held_s is not None:
             self._release_latency.observe(held_s)
+
+    def drain(self, outcome: str) -> None:
+        self._child(self._drains, outcome).inc()  # type: ignore[attr-defined]
+
+    def unreclaimable(self, pipeline: str) -> None:
+        self._child(self._unreclaimable, pipeline).inc()  # type: ignore[attr-defined]
 
     def duplicate_release(self) -> None:
         self._dup_releases.inc()

@@ -17,6 +17,21 @@ from mesh.errors import ProtocolError
 PROTOCOL_VERSION = 1
 DIALECT_ATOM = "atom"
 
+# -- section 8: worker capabilities (what a worker serves beyond OpenAI) -----------------------
+HOLDER_API = "holder_api"                  # GET /kv/held, POST /kv/release (section 7)
+FIRST_TOKEN_EARLY = "first_token_early"    # the decode honours first_token_early, never emits T0 itself
+LOAD_V1 = "load_v1"                        # GET /load answers LoadReport
+CAPABILITIES = (HOLDER_API, FIRST_TOKEN_EARLY, LOAD_V1)
+OWN_CAPABILITIES = CAPABILITIES            # what this project's workers and mock fleet declare
+
+
+def check_capabilities(caps: tuple[str, ...], where: str = "capabilities") -> tuple[str, ...]:
+    for c in caps:
+        if c not in CAPABILITIES:
+            raise ProtocolError(f"{where}: unknown capability {c!r}; one of {', '.join(CAPABILITIES)}",
+                                param=where)
+    return tuple(dict.fromkeys(caps))
+
 
 # -- section 2: registry records ------------------------------------------------------------
 
@@ -43,6 +58,8 @@ class PrefillRecord:
     dialect: str = DIALECT_ATOM
     stages: tuple[StageRecord, ...] = ()
     draining: bool = False
+    dp_size: int = 1                       # data-parallel ranks behind the url (ATOM decode enrichment)
+    capabilities: tuple[str, ...] = ()     # section 8
 
 
 @message
@@ -74,6 +91,7 @@ class DecodeRecord:
     dialect: str = DIALECT_ATOM
     ranks: tuple[RankRecord, ...] = ()
     draining: bool = False
+    capabilities: tuple[str, ...] = ()     # section 8
 
 
 @message
@@ -259,3 +277,4 @@ class LoadReport:
     free_blocks: int = 0
     num_blocks: int = 0
     draining: bool = False
+    capabilities: tuple[str, ...] = ()     # section 8: what the worker serves beyond OpenAI

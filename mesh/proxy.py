@@ -1,21 +1,23 @@
-"""Request orchestration: the PD flow (dialect `atom`, PROTOCOL.md sections 4-5) and the
+"""Request orchestration: the PD loop (written once, run with each dialect's `Flow`) and the
 regular single-pool flow.
 
-PD: pick a pipeline and a decode engine -> prefill leg (`max_tokens=1`, `stream=false`,
-`kv_transfer_params` asking for remote decode) -> decode leg with the prefill's
-`kv_transfer_params` forwarded verbatim -> the decode answer relayed byte for byte.
+PD: pick a (pipeline, decode) pair -> the flow's prefill leg -> its hand-off -> the decode leg ->
+relay byte for byte -> settle (ledger, breakers, spans). Flows with `concurrent` send both legs at
+once (SGLang). Requests that are several sequences (a list of prompts, `n` > 1) are split into one
+pair each and merged (`mesh.fanout`) where the flow says so.
 
 Failure semantics:
-- prefill non-2xx or timeout: an OpenAI error (502/503/504, or the prefill's 4xx as it
-  came); decode is never called.
-- decode fails before its first byte: another decode engine is tried (`decode_retries`
-  times); if none succeeds, an error, and the prefill is told to release the KV.
+- prefill non-2xx or timeout: an OpenAI error (502/503/504, or the prefill's 4xx as it came);
+  a prefill that surely holds nothing (it answered 5xx, or never connected) is re-paired.
+- decode fails before its first byte: another decode engine with the same params where the flow
+  allows it (`retry_decode`), else a new pair; when none is left, an error, and the transfer is
+  freed: released through the holder API, or drained (a one-token decode leg) where there is none.
 - decode answers `kv_transfer_failed` (it could not pull from the pipeline): the pipeline is
-  blamed, not the decode engine, and the whole request is re-paired on another pipeline while
-  nothing has reached the client (`retries` times).
+  blamed, not the decode engine, and the request is re-paired on another pipeline while nothing has
+  reached the client (`retries` times).
 - decode fails mid-stream: the stream ends with an SSE `error` event.
-- client disconnect: the running leg is cancelled (its connection closed) and the prefill is
-  told to release the KV unless the decode leg already has it (its first byte arrived).
+- client disconnect: the running leg is cut; what the prefill holds is released (holder API) or
+  drained; an ATOM prefill still running is let finish in the background, then drained.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable
 
@@ -31,28 +34,28 @@ import orjson
 from aiohttp import web
 
 from mesh.config import MeshConfig
-from mesh.dialects import ATOM, SGLANG, one_token, sglang_bodies, vllm_decode_params, vllm_prefill_body
 from mesh.errors import (KVSourceLost, MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamError,
                          UpstreamTimeout)
+from mesh.fanout import Merge, Part, needs_split, split
 from mesh.fleet import Fleet
+from mesh.flows import FLOWS, Flow, Handoff
 from mesh.ledger import UNTRACKED, Ledger
 from mesh.metrics import Metrics
-from mesh.protocol import KVHandoffParams, KVRequestParams, handoff_for_decode
 from mesh.request import ClientRequest
 from mesh.sse import Answer
 from mesh.snapshot import View, Worker
-from mesh.h1 import H1Error, H1Response
 from mesh.tracing import KV_PULL_HEADER, Tracing
-from mesh.upstream import Upstream, upstream_status_error
+from mesh.upstream import Leg, Upstream
 from policies import Policy
 
 log = logging.getLogger(__name__)
 
 SSE_END = b"\n\n"
+FANOUT_CONCURRENCY = 16
 
 
 class Background:
-    """Fire-and-forget work that must still finish (releases): kept, and awaited at shutdown."""
+    """Fire-and-forget work that must still finish (releases, drains): kept, and awaited at shutdown."""
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -67,17 +70,6 @@ class Background:
             await asyncio.wait(list(self.tasks), timeout=timeout)
 
 
-def prefill_body(body: dict[str, Any], decode: Worker, mesh_id: str) -> dict[str, Any]:
-    """Section 4: the client body with stream off, one token, and where the KV will go."""
-    out = one_token(body)
-    rec = decode.record
-    out["kv_transfer_params"] = KVRequestParams(
-        remote_engine_id=decode.id, remote_host=decode.host, remote_port=decode.port,
-        remote_handshake_port=int(rec.extra.get("kv_port", 0)), remote_tp_size=rec.tp_size,
-        extra={"mesh_id": mesh_id}).encode()
-    return out
-
-
 class RePair(Exception):
     """A PD pair failed before anything reached the client: run the request on a new pair, without
     the worker(s) named here, or answer `cause` when no try is left."""
@@ -87,11 +79,20 @@ class RePair(Exception):
         self.cause, self.pipeline, self.decode = cause, pipeline, decode
 
 
-def _error_message(body: bytes) -> str:
-    try:
-        return str(orjson.loads(body)["error"]["message"])[:300]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return body[:300].decode("utf-8", "replace")
+@dataclass(slots=True)
+class Decoded:
+    """An open decode leg and its first bytes (the whole body unless streaming)."""
+    leg: Leg
+    first: bytes
+    t_leg: float                                  # when the decode's part of the request began
+    early: web.StreamResponse | None = None       # the client's stream, open with token 0 already
+    settle: Callable[[], None] | None = None      # the ledger's decode_done and the span's end
+
+    def close(self) -> None:
+        self.leg.close()
+        if self.settle is not None:
+            self.settle()
+            self.settle = None
 
 
 def error_event(err: MeshError) -> bytes:
@@ -113,29 +114,21 @@ class Proxy:
         self.load = MappingProxyType(fleet.in_flight)
         self.kv_free = MappingProxyType(fleet.kv_free)
         self.tracing = tracing
-        self.handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]] = (
-            self.pd if cfg.pd else self.regular)
-        if tracing is not None:
-            self.handle = self._traced(self.handle)
 
-    def _traced(self, handle: Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]]
-                ) -> Callable[[web.Request, ClientRequest], Awaitable[web.StreamResponse]]:
-        tracing = self.tracing
-        assert tracing is not None
+    async def handle(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        if self.tracing is None:
+            return await (self.pd(request, creq) if self.cfg.pd else self.regular(request, creq))
+        with self.tracing.request(creq.request_id, creq.path, creq.model, creq.stream) as span:
+            try:
+                resp = await (self.pd(request, creq) if self.cfg.pd else self.regular(request, creq))
+            except MeshError as e:
+                span.set_attribute("http.response.status_code", e.status)
+                self.tracing.end_error(span, e)
+                raise
+            span.set_attribute("http.response.status_code", resp.status)
+            return resp
 
-        async def traced(request: web.Request, creq: ClientRequest) -> web.StreamResponse:
-            with tracing.request(creq.request_id, creq.path, creq.model, creq.stream) as span:
-                try:
-                    resp = await handle(request, creq)
-                except MeshError as e:
-                    span.set_attribute("http.response.status_code", e.status)
-                    tracing.end_error(span, e)
-                    raise
-                span.set_attribute("http.response.status_code", resp.status)
-                return resp
-        return traced
-
-    def _leg(self, name: str, creq: ClientRequest, w: Worker, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
+    def _span(self, name: str, creq: ClientRequest, w: Worker, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
         """A leg's span and the headers that carry it (the same headers when tracing is off)."""
         if self.tracing is None:
             return None, headers
@@ -171,10 +164,20 @@ class Proxy:
     # -- PD -------------------------------------------------------------------------------
 
     async def pd(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        if needs_split(creq):
+            cands = self.fleet.table.candidates("prefill", creq.model)
+            if cands and FLOWS[cands[0].record.dialect].fanout:
+                return await self._fanout(request, creq, t0)
+        d = await self._pair(request, creq, t0, allow_early=True)
+        if isinstance(d, web.StreamResponse):
+            return d
+        return await self._relay(request, creq, d, t0)
+
+    async def _pair(self, request: web.Request, creq: ClientRequest, t0: float,
+                    allow_early: bool) -> Decoded | web.StreamResponse:
         """Run the request on a (pipeline, decode) pair; while nothing has reached the client, a
         failed pair is replaced by a new one (`retries` times, jittered backoff)."""
-        t0 = asyncio.get_running_loop().time()
-        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
         not_p: tuple[Worker, ...] = ()
         not_d: tuple[Worker, ...] = ()
         attempt = 0
@@ -182,9 +185,11 @@ class Proxy:
             try:
                 pw = self._pick("prefill", creq, exclude=not_p)
                 dw = self._pick("decode", creq, exclude=not_d, dialect=pw.record.dialect)
-                if pw.record.dialect == SGLANG:
-                    return await self._pd_sglang(request, creq, headers, t0, pw, dw)
-                return await self._pd_prefill_first(request, creq, headers, t0, pw, dw)
+                flow = FLOWS[pw.record.dialect]
+                flow.check(creq)
+                if flow.concurrent:
+                    return await self._concurrent(creq, flow, pw, dw, t0)
+                return await self._prefill_first(request, creq, flow, pw, dw, t0, allow_early)
             except RePair as rp:
                 not_p += (rp.pipeline,) if rp.pipeline is not None else ()
                 not_d += (rp.decode,) if rp.decode is not None else ()
@@ -200,86 +205,83 @@ class Proxy:
                 log.info("request %s: %s; re-pairing", creq.request_id, rp.cause.message)
                 await asyncio.sleep(self._backoff(attempt))
 
-    async def _pd_prefill_first(self, request: web.Request, creq: ClientRequest, headers: dict[str, str],
-                                t0: float, pw: Worker, dw: Worker) -> web.StreamResponse:
-        """Dialects `atom` and `vllm`: the prefill leg, then the decode leg with its params."""
-        atom = pw.record.dialect == ATOM
-        ledger = self.ledger if atom else UNTRACKED  # vLLM engines free their KV themselves
+    async def _prefill_first(self, request: web.Request, creq: ClientRequest, flow: Flow, pw: Worker,
+                             dw: Worker, t0: float, allow_early: bool) -> Decoded | web.StreamResponse:
+        """The prefill leg, then the decode leg with the flow's hand-off."""
+        tracked = flow.tracked(pw)
+        drains = flow.drains and not tracked
+        ledger = self.ledger if tracked else UNTRACKED
         e = ledger.begin(creq.request_id, pw)
-        body = prefill_body(creq.body, dw, self.mesh_id) if atom else vllm_prefill_body(creq.body)
-        span, ph = self._leg("prefill", creq, pw, headers)
+        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        span, ph = self._span("prefill", creq, pw, headers)
+        job = asyncio.ensure_future(self.up.open("prefill", pw).json(
+            creq.path, flow.prefill_body(creq, pw, dw, self.mesh_id), ph, self.cfg.timeouts.prefill))
         try:
-            pres = await self.up.post_json("prefill", pw, creq.path, body, ph, self.cfg.timeouts.prefill,
-                                           settle=False)
+            # an engine without a release API keeps what a cut prefill held: let it finish, then drain
+            pres = await (asyncio.shield(job) if drains else job)
             self._end(span)
         except MeshError as err:
             self._end(span, err)
-            # a prefill that answered with an error (or never connected) holds nothing; one cut
-            # off mid-flight may: only the first kind is retried, on a new pair
-            sure = bool(getattr(err, "answered", False))
-            ledger.prefill_failed(e, uncertain=not sure)
-            if sure and err.status >= 500:
+            ledger.prefill_failed(e, uncertain=err.may_hold_kv)
+            if not err.may_hold_kv and err.status >= 500:
                 raise RePair(err, pipeline=pw) from None
             raise
         except BaseException as err:  # cancelled by a client that left
             self._end(span, err)
             ledger.prefill_failed(e, uncertain=True)
+            if drains:
+                self.bg.spawn(self._drain_after(job, flow, creq, pw, dw))
             raise
         t1 = asyncio.get_running_loop().time()
         self.metrics.leg("prefill", t1 - t0)
-        raw = pres.get("kv_transfer_params")
         try:
-            kv = KVHandoffParams.decode(raw, "kv_transfer_params") if atom else vllm_decode_params(raw)
+            h = flow.handoff(creq, pw, dw, pres, allow_early and self.cfg.first_token_early)
         except ProtocolError as err:
-            if atom and isinstance(raw, dict) and isinstance(raw.get("transfer_id"), str):
-                ledger.held(e, raw["transfer_id"], 0)
+            raw = pres.get("kv_transfer_params")
+            tid = raw.get("transfer_id") if isinstance(raw, dict) else None
+            if tracked and isinstance(tid, (str, int)):
+                ledger.held(e, str(tid), 0)
                 await ledger.reclaim(e, "bad-handoff")
             else:
                 ledger.prefill_failed(e, uncertain=True)
             self.up.failed("prefill", pw, "garbage")
             raise UpstreamError(f"prefill pipeline {pw.id} answered without valid kv_transfer_params: "
                                 f"{err.message}") from None
-        dbody = dict(creq.body)
+        ledger.held(e, h.key, h.blocks)
+        data = orjson.dumps(h.decode_body)
+        span, dh = self._span("decode", creq, dw, headers)
+        if span is not None and h.key:
+            span.set_attribute("atomesh.kv.transfer_id", h.key)
+            span.set_attribute("atomesh.kv.blocks", h.blocks)
         early = None
-        fte = False
-        if isinstance(kv, KVHandoffParams):
-            ledger.held(e, kv.transfer_id, len(kv.remote_block_ids))
-            dkv = dbody["kv_transfer_params"] = handoff_for_decode(raw)
-            # our additions: the response's id and created, so the stream is the same bytes however
-            # it is sent, and (first token early) that the role chunk and token 0 are already out
-            meta = {"id": ("chatcmpl-" if creq.kind == "chat" else "cmpl-") + creq.request_id,
-                    "created": int(time.time())}
-            dkv["response_meta"] = meta
-            fte = self.cfg.first_token_early and creq.stream
-            if fte:
-                dkv["first_token_early"] = True
-        else:  # vllm: the prefill's params verbatim; the decode engine writes every token itself
-            dbody["kv_transfer_params"] = kv
-        data = orjson.dumps(dbody)
-        span, dh = self._leg("decode", creq, dw, headers)
-        if span is not None and isinstance(kv, KVHandoffParams):
-            span.set_attribute("atomesh.kv.transfer_id", kv.transfer_id)
-            span.set_attribute("atomesh.kv.blocks", len(kv.remote_block_ids))
         try:
-            if fte:
-                early = await self._send_first_token(request, creq, pres, kv, meta, t0)
+            if h.early:
+                early = await self._send_first_token(request, creq, pres, h, t0)
             t_open = time.time_ns()
-            dw, resp, first = await self._open_with_retry("decode", dw, creq, data, dh)
+            leg, first = await self._open_leg("decode", dw, creq, data, dh, flow.retry_decode)
             self.fleet.succeeded(pw.id)  # the decode has its KV: the pipeline served well
             if span is not None:
-                self.tracing.kv_pull(creq.request_id, dw, t_open, resp.headers.get(KV_PULL_HEADER))  # type: ignore[union-attr]
+                self.tracing.kv_pull(creq.request_id, leg.w, t_open,  # type: ignore[union-attr]
+                                     leg.resp.headers.get(KV_PULL_HEADER) if leg.resp else None)
         except (asyncio.CancelledError, ConnectionResetError) as err:  # the client left before decode had the KV
             self._end(span, err)
-            self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
+            if tracked:
+                self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
+            elif drains:
+                self.bg.spawn(self._drain(flow, creq, pw, h, None))
             raise
         except Exception as err:
             self._end(span, err)
-            # freed before the client hears of the failure
-            await ledger.reclaim(e, "decode-failed")
+            if tracked:  # freed before the client hears of the failure
+                await ledger.reclaim(e, "decode-failed")
+            elif drains:
+                self.bg.spawn(self._drain(flow, creq, pw, h, dw))
             if isinstance(err, KVSourceLost):  # the pipeline, not the decode engine, is at fault
                 self.up.failed("prefill", pw, "kv_source")
                 if early is None:
                     raise RePair(err, pipeline=pw) from None
+            elif early is None and not flow.retry_decode and isinstance(err, (UpstreamError, UpstreamTimeout)):
+                raise RePair(err, decode=dw) from None  # params are spent: a new prefill
             if early is None:
                 raise
             if isinstance(err, MeshError):  # the stream has begun: end it with an error event
@@ -288,23 +290,22 @@ class Proxy:
                 return early
             raise
         ledger.decoding(e)
-        try:
-            return await self._relay(request, creq, dw, resp, first, t0, t1, early)
-        finally:
+
+        def settle() -> None:
             ledger.decode_done(e)
             self._end(span)
+        return Decoded(leg, first, t1, early, settle)
 
-    async def _pd_sglang(self, request: web.Request, creq: ClientRequest, headers: dict[str, str],
-                         t0: float, pw: Worker, dw: Worker) -> web.StreamResponse:
-        """Dialect `sglang`: both legs at once, meeting on a bootstrap room; the decode answers."""
-        pbody, dbody = sglang_bodies(creq.body, pw)
-        pspan, ph = self._leg("prefill", creq, pw, headers)
-        dspan, dh = self._leg("decode", creq, dw, headers)
-        pre = asyncio.ensure_future(self.up.post_json("prefill", pw, creq.path, pbody, ph,
-                                                      self.cfg.timeouts.prefill, settle=False))
+    async def _concurrent(self, creq: ClientRequest, flow: Any, pw: Worker, dw: Worker, t0: float) -> Decoded:
+        """Both legs at once, meeting on the flow's rendezvous; the decode answers the client."""
+        pbody, dbody = flow.bodies(creq, pw)
+        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        pspan, ph = self._span("prefill", creq, pw, headers)
+        dspan, dh = self._span("decode", creq, dw, headers)
+        pre = asyncio.ensure_future(self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill))
         if pspan is not None:
             pre.add_done_callback(lambda f: self._end(pspan, None if f.cancelled() else f.exception()))
-        dec = asyncio.ensure_future(self._open("decode", dw, creq, orjson.dumps(dbody), dh))
+        dec = asyncio.ensure_future(self._open_leg("decode", dw, creq, orjson.dumps(dbody), dh, retry=False))
         try:
             done, _ = await asyncio.wait((pre, dec), return_when=asyncio.FIRST_COMPLETED)
             if dec not in done and pre.exception() is not None:
@@ -315,7 +316,7 @@ class Proxy:
                     raise RePair(perr, pipeline=pw) from None
                 raise perr  # type: ignore[misc]
             try:
-                resp, first = await dec
+                leg, first = await dec
             except (UpstreamError, UpstreamTimeout) as err:
                 raise RePair(err, decode=dw) from None
         except BaseException as err:
@@ -325,22 +326,60 @@ class Proxy:
             await asyncio.gather(pre, dec, return_exceptions=True)
             raise
         self.bg.spawn(self._settle_prefill(pre, pw, t0))
-        try:
-            return await self._relay(request, creq, dw, resp, first, t0, t0)
-        finally:
-            self._end(dspan)
+        return Decoded(leg, first, t0, None, lambda: self._end(dspan))
 
     async def _settle_prefill(self, pre: asyncio.Future[dict[str, Any]], pw: Worker, t0: float) -> None:
-        """An sglang prefill leg finishing beside its decode: time it, close its breaker if it went well."""
+        """A prefill leg finishing beside its decode: time it, close its breaker if it went well."""
         try:
             await pre
         except MeshError:
-            return  # counted against the pipeline by post_json
+            return  # counted against the pipeline by its leg
         self.metrics.leg("prefill", asyncio.get_running_loop().time() - t0)
         self.fleet.succeeded(pw.id)
 
+    # -- orphans on engines without a release API --------------------------------------------
+
+    async def _drain_after(self, job: asyncio.Future[dict[str, Any]], flow: Flow, creq: ClientRequest,
+                           pw: Worker, dw: Worker) -> None:
+        """The client left during the prefill: let it finish (bounded by the prefill timeout), then
+        drain what it holds."""
+        try:
+            pres = await job
+            h = flow.handoff(creq, pw, dw, pres, False)
+        except (MeshError, asyncio.CancelledError):
+            return  # it failed: it holds nothing the mesh can name
+        await self._drain(flow, creq, pw, h, None)
+
+    async def _drain(self, flow: Flow, creq: ClientRequest, pw: Worker, h: Handoff, avoid: Worker | None) -> None:
+        """Free an orphaned transfer: a one-token decode leg on the prefill's params, its answer
+        discarded, so the engine's consumer-driven release frees the producer."""
+        body = flow.drain_body(creq, h)
+        if body is None or not h.key:
+            return
+        e = self.ledger.orphan(creq.request_id, pw, h.key, h.blocks)
+        data = orjson.dumps(body)
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"{creq.request_id}-drain"}
+        cands = [w for w in self.fleet.table.candidates("decode", creq.model, flow.dialect) if w != avoid]
+        if avoid is not None:
+            cands.append(avoid)  # the engine that failed goes last, but goes
+        why = f"no healthy {flow.dialect} decode engine for model {creq.model!r}"
+        for w in cands[:3]:
+            try:
+                async with self.up.open("decode", w) as leg:
+                    await leg.send(creq.path, data, headers, first_byte=self.cfg.timeouts.decode_first_byte,
+                                   stream=False)
+                    leg.ok()
+            except MeshError as err:
+                why = err.message
+                continue
+            self.metrics.drain("drained")
+            self.ledger.drained(e)
+            return
+        self.metrics.drain("failed")
+        self.ledger.unreclaimable(e, why)
+
     async def _send_first_token(self, request: web.Request, creq: ClientRequest, pres: dict[str, Any],
-                                kv: KVHandoffParams, meta: dict[str, Any], t0: float) -> web.StreamResponse:
+                                h: Handoff, t0: float) -> web.StreamResponse:
         """Open the client's stream with the prefill's token: TTFT is the prefill's latency."""
         try:
             c0 = pres["choices"][0]
@@ -352,12 +391,95 @@ class Proxy:
         out = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
         await out.prepare(request)
-        ans = Answer(creq.kind, creq.model, creq.request_id, meta)
-        head = ans.first_chunk()
-        ids = [kv.first_token_id] if creq.body.get("return_token_ids") else None
-        await out.write(head + ans.chunk(text, None, ids))
+        ans = Answer(creq.kind, creq.model, creq.request_id, h.params.get("response_meta"))
+        ids = [h.first_token_id] if creq.body.get("return_token_ids") else None
+        await out.write(ans.first_chunk() + ans.chunk(text, None, ids))
         self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
         return out
+
+    # -- several sequences in one request ------------------------------------------------------
+
+    async def _fanout(self, request: web.Request, creq: ClientRequest, t0: float) -> web.StreamResponse:
+        parts = split(creq)
+        sem = asyncio.Semaphore(FANOUT_CONCURRENCY)
+
+        async def run(p: Part) -> Decoded:
+            async with sem:
+                d = await self._pair(request, p.creq, t0, allow_early=False)
+                assert isinstance(d, Decoded)  # no early stream: nothing answered the client yet
+                return d
+
+        tasks = [asyncio.ensure_future(run(p)) for p in parts]
+        try:
+            decs = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for r in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(r, Decoded):
+                    r.close()
+            raise
+        merge = Merge(creq)
+        if not creq.stream:
+            try:
+                body = merge.whole(parts, [d.first for d in decs])
+            finally:
+                for d in decs:
+                    d.close()
+            self.metrics.leg("decode", asyncio.get_running_loop().time() - min(d.t_leg for d in decs))
+            return web.Response(body=body, headers={"Content-Type": "application/json",
+                                                    "X-Request-Id": creq.request_id})
+        return await self._merged_stream(request, creq, parts, decs, merge, t0)
+
+    async def _merged_stream(self, request: web.Request, creq: ClientRequest, parts: list[Part],
+                             decs: list[Decoded], merge: Merge, t0: float) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
+        q: asyncio.Queue[tuple[Part, bytes | None]] = asyncio.Queue()
+
+        async def pump(p: Part, d: Decoded) -> None:
+            buf = d.first
+            try:
+                while True:
+                    while (i := buf.find(SSE_END)) >= 0:
+                        await q.put((p, buf[:i + 2]))
+                        buf = buf[i + 2:]
+                    chunk = await d.leg.resp.readany()  # type: ignore[union-attr]
+                    if not chunk:
+                        break
+                    buf += chunk
+            except OSError as e:
+                d.leg.failed("midstream_transport")
+                await q.put((p, error_event(UpstreamError(f"decode worker {d.leg.w.id} failed mid-stream: {e}"))))
+            finally:
+                d.close()
+                q.put_nowait((p, None))
+
+        tasks = [asyncio.ensure_future(pump(p, d)) for p, d in zip(parts, decs)]
+        try:
+            await out.prepare(request)
+            self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
+            left = len(tasks)
+            while left:
+                p, ev = await q.get()
+                if ev is None:
+                    left -= 1
+                    continue
+                m = merge.event(p, ev)
+                if m is not None:
+                    await out.write(m)
+                if ev.startswith(b"event: error"):
+                    await out.write_eof()
+                    return out
+            await out.write(merge.tail())
+            await out.write_eof()
+            return out
+        except ConnectionResetError:
+            return out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- regular --------------------------------------------------------------------------
 
@@ -365,26 +487,33 @@ class Proxy:
         t0 = asyncio.get_running_loop().time()
         w = self._pick("worker", creq)
         headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
-        w, resp, first = await self._open_with_retry("worker", w, creq, await request.read(), headers)
-        return await self._relay(request, creq, w, resp, first, t0, t0)
+        leg, first = await self._open_leg("worker", w, creq, await request.read(), headers, retry=True)
+        return await self._relay(request, creq, Decoded(leg, first, t0), t0)
 
     # -- the streamed leg -------------------------------------------------------------------
 
-    async def _open_with_retry(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
-                               headers: dict[str, str]) -> tuple[Worker, H1Response, bytes]:
+    async def _open_leg(self, role: str, w: Worker, creq: ClientRequest, data: bytes, headers: dict[str, str],
+                        retry: bool) -> tuple[Leg, bytes]:
+        """Open the streamed leg; with `retry`, a failure before the first byte moves it to another
+        worker of the same dialect (`decode_retries` times). A KVSourceLost is never retried here:
+        another decode engine would pull from the same source."""
         tried: tuple[Worker, ...] = ()
         while True:
+            leg = self.up.open(role, w)
             try:
-                resp, first = await self._open(role, w, creq, data, headers)
-                return w, resp, first
+                first = await leg.send(creq.path, data, headers, first_byte=self.cfg.timeouts.decode_first_byte,
+                                       stream=creq.stream, idle=self.cfg.timeouts.decode_idle)
+                leg.ok()
+                return leg, first
             except KVSourceLost:
-                raise  # another decode engine would pull from the same source: re-pair instead
+                raise
             except (UpstreamError, UpstreamTimeout) as e:
                 tried += (w,)
-                if len(tried) > self.cfg.decode_retries:
+                if not retry or len(tried) > self.cfg.decode_retries:
                     raise
                 try:
-                    w = self._pick(role, creq, exclude=tried)
+                    w = self._pick(role, creq, exclude=tried,
+                                   dialect=w.record.dialect if role == "decode" else None)
                 except NoWorker:
                     raise e from None
                 self.metrics.retry(role)
@@ -392,78 +521,39 @@ class Proxy:
                          e.message, w.id)
                 await asyncio.sleep(self._backoff(len(tried)))
 
-    async def _open(self, role: str, w: Worker, creq: ClientRequest, data: bytes,
-                    headers: dict[str, str]) -> tuple[H1Response, bytes]:
-        """Send the leg; return its response and first bytes (the whole body unless streaming).
-        On return the worker is counted in flight; `_relay` uncounts it."""
-        flight = self.fleet.in_flight
-        flight[w.id] = flight.get(w.id, 0) + 1
-        resp: H1Response | None = None
-        limit = self.cfg.timeouts.decode_first_byte
-        try:
-            async with asyncio.timeout(limit):
-                resp = await self.up.h1.post(w.host, w.port, creq.path, data, headers, tls=w.tls,
-                                             idle=self.cfg.timeouts.decode_idle)
-                if resp.status >= 300:
-                    body = await resp.read()
-                    if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
-                        self.up.failed(role, w, "kv_transfer", passive=False)
-                        raise KVSourceLost(f"decode worker {w.id} could not pull the KV: "
-                                           f"{_error_message(body)}")
-                    self.up.failed(role, w, f"status_{resp.status // 100}xx", passive=resp.status >= 500)
-                    raise upstream_status_error(role, w, resp.status, body)
-                first = await (resp.readany() if creq.stream else resp.read())
-            if not first:
-                self.up.failed(role, w, "empty")
-                raise UpstreamError(f"{role} worker {w.id} closed its answer without a byte")
-            self.fleet.succeeded(w.id)
-            return resp, first
-        except BaseException as e:
-            flight[w.id] -= 1
-            if resp is not None:
-                resp.close()
-            if isinstance(e, TimeoutError):
-                self.up.failed(role, w, "timeout")
-                raise UpstreamTimeout(f"{role} worker {w.id} sent no byte within {limit:g}s") from None
-            if isinstance(e, OSError):
-                self.up.failed(role, w, "transport" if isinstance(e, H1Error) else "connect")
-                raise UpstreamError(f"{role} worker {w.id} failed: {e.__class__.__name__}: {e}") from None
-            raise
-
-    async def _relay(self, request: web.Request, creq: ClientRequest, w: Worker, resp: H1Response, first: bytes,
-                     t0: float, t_leg: float, early: web.StreamResponse | None = None) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, creq: ClientRequest, d: Decoded, t0: float) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        role = "worker" if not self.cfg.pd else "decode"
+        role = d.leg.role
+        resp = d.leg.resp
+        assert resp is not None
         try:
             ctype = resp.headers.get("content-type", "application/json")
             if not creq.stream:
-                self.metrics.leg(role, loop.time() - t_leg)
-                out = web.Response(body=first, status=resp.status,
-                                   headers={"Content-Type": ctype, "X-Request-Id": creq.request_id})
-                return out
-            if early is not None:  # the stream is open: the first token went out already
-                out = early
+                self.metrics.leg(role, loop.time() - d.t_leg)
+                return web.Response(body=d.first, status=resp.status,
+                                    headers={"Content-Type": ctype, "X-Request-Id": creq.request_id})
+            if d.early is not None:  # the stream is open: the first token went out already
+                out = d.early
             else:
                 out = web.StreamResponse(status=resp.status, headers={
                     "Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
                 await out.prepare(request)
                 self.metrics.ttft(creq.kind, loop.time() - t0)
             try:
-                await self._pump(out, resp, first, w, role)
+                await self._pump(out, d.leg, d.first)
             except ConnectionResetError:  # the client left mid-stream: the decode leg is cut below
                 log.debug("request %s: client left mid-stream", creq.request_id)
                 return out
-            self.metrics.leg(role, loop.time() - t_leg)
+            self.metrics.leg(role, loop.time() - d.t_leg)
             return out
         finally:
-            self.fleet.in_flight[w.id] -= 1
-            resp.close()
+            d.close()
 
-    async def _pump(self, out: web.StreamResponse, resp: H1Response, first: bytes,
-                    w: Worker, role: str) -> None:
+    async def _pump(self, out: web.StreamResponse, leg: Leg, first: bytes) -> None:
         """Relay SSE bytes as they come. Only whole events go out, so an upstream cut mid-event
         can be followed by a clean `error` event the client's SSE parser understands."""
-        read = resp.readany
+        assert leg.resp is not None
+        read = leg.resp.readany
         pending = b""
         chunk = first
         while True:
@@ -479,10 +569,10 @@ class Proxy:
                 chunk = await read()
             except OSError as e:  # H1Error, TimeoutError (idle), socket errors
                 kind = "timeout" if isinstance(e, TimeoutError) else "transport"
-                self.up.failed(role, w, f"midstream_{kind}")
-                err: MeshError = (UpstreamTimeout(f"{role} worker {w.id} stalled mid-stream")
+                leg.failed(f"midstream_{kind}")
+                err: MeshError = (UpstreamTimeout(f"{leg.role} worker {leg.w.id} stalled mid-stream")
                                   if kind == "timeout" else
-                                  UpstreamError(f"{role} worker {w.id} failed mid-stream: {e}"))
+                                  UpstreamError(f"{leg.role} worker {leg.w.id} failed mid-stream: {e}"))
                 await out.write(error_event(err))
                 break
             if not chunk:
@@ -490,4 +580,3 @@ class Proxy:
                     await out.write(pending)
                 break
         await out.write_eof()
-

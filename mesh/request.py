@@ -208,8 +208,7 @@ def parse(kind: Kind, raw: bytes, limits: Limits, *, request_id: str | None = No
     mct = _int(body, "max_completion_tokens", 1, limits.max_tokens)
     if mct is not None:
         max_tokens = mct if max_tokens is None else min(max_tokens, mct)
-    n = _int(body, "n", 1, 1)  # PD hands one KV to one decode: n > 1 is refused clearly
-    del n
+    _int(body, "n", 1, 128)  # regular mode passes it on; PD flows split it or refuse it (mesh.flows)
     _num(body, "temperature", 0.0, 2.0)
     _num(body, "top_p", 0.0, 1.0)
     _num(body, "presence_penalty", -2.0, 2.0)

@@ -37,6 +37,10 @@ class Worker:
         object.__setattr__(self, "port", port)
         object.__setattr__(self, "tls", tls)
 
+    def has(self, capability: str) -> bool:
+        """PROTOCOL.md section 8: does the worker declare `capability`?"""
+        return capability in self.record.capabilities
+
 
 @dataclass(frozen=True, slots=True)
 class View:

@@ -1,10 +1,10 @@
-"""Calls to workers: the hot legs over the lean keep-alive client (`mesh/h1.py`), the rest
-(releases, held listings) over the app's one pooled aiohttp `ClientSession`.
+"""Calls to workers: the hot legs through `Leg` (the one door, over the lean keep-alive client
+`mesh/h1.py`), the rest (releases, held listings) over the app's one pooled aiohttp `ClientSession`.
 
-Every call counts itself in the fleet's in-flight dict, reports failures to the fleet's
-passive health check and to the metrics, and maps transport failures onto the mesh's
-exception tree: a timeout is `UpstreamTimeout`, anything else on the wire `UpstreamError`,
-a worker's 4xx `UpstreamClientError` (passed on as it came), its 5xx `UpstreamError`.
+A leg counts itself in the fleet's in-flight dict, reports failures to the fleet's passive health
+check and to the metrics, and maps transport failures onto the mesh's exception tree: a timeout is
+`UpstreamTimeout`, anything else on the wire `UpstreamError`, a worker's 4xx `UpstreamClientError`
+(passed on as it came), its 5xx `UpstreamError`; each says whether the worker may still hold KV.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from mesh.config import Timeouts
-from mesh.errors import MeshError, UpstreamClientError, UpstreamError, UpstreamTimeout, error_body
+from mesh.errors import KVSourceLost, MeshError, UpstreamClientError, UpstreamError, UpstreamTimeout, error_body
 from mesh.fleet import Fleet
 from mesh.h1 import H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
@@ -26,17 +26,28 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def upstream_status_error(leg: str, w: Worker, status: int, body: bytes) -> MeshError:
-    """A worker's non-2xx answer as the error the client should see."""
-    err: MeshError
+    """A worker's non-2xx answer as the error the client should see (it answered: it holds nothing)."""
     if 400 <= status < 500 and status != 408:
-        err = UpstreamClientError(status, _as_openai_error(body, status), f"{leg} refused: {status}")
-    elif status in (503, 429):
-        err = UpstreamError(f"{leg} worker {w.id} is unavailable ({status})", status=503,
-                            code="upstream_unavailable")
-    else:
-        err = UpstreamError(f"{leg} worker {w.id} failed with status {status}")
-    err.answered = True  # type: ignore[attr-defined]  # the worker did answer: it holds nothing for it
-    return err
+        return UpstreamClientError(status, _as_openai_error(body, status), f"{leg} refused: {status}")
+    if status in (503, 429):
+        return UpstreamError(f"{leg} worker {w.id} is unavailable ({status})", status=503,
+                             code="upstream_unavailable", may_hold_kv=False)
+    return UpstreamError(f"{leg} worker {w.id} failed with status {status}: {_error_message(body)}",
+                         may_hold_kv=False)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an error answer: OpenAI's `error.message`, FastAPI's `detail`, or the text."""
+    try:
+        d = orjson.loads(body)
+        if isinstance(d, dict):
+            if isinstance(d.get("error"), dict):
+                return str(d["error"].get("message"))[:300]
+            if "detail" in d:
+                return str(d["detail"])[:300]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:300].decode("utf-8", "replace")
 
 
 def _as_openai_error(body: bytes, status: int) -> bytes:
@@ -46,14 +57,99 @@ def _as_openai_error(body: bytes, status: int) -> bytes:
             return body
     except orjson.JSONDecodeError:
         pass
-    text = body[:500].decode("utf-8", "replace")
-    return error_body(f"worker refused the request ({status}): {text}", "invalid_request_error")
+    return error_body(f"worker refused the request ({status}): {_error_message(body)}", "invalid_request_error")
+
+
+class Leg:
+    """One call to one worker, the only door to it on the request path (DESIGN.md item 13).
+
+    From `Upstream.open` to `close()` (or the end of `async with`) the worker is counted in flight;
+    every failure is mapped here, once, onto the mesh's errors (with `may_hold_kv` declared by what
+    happened) and reported to the metrics and the worker's breaker."""
+
+    __slots__ = ("up", "role", "w", "resp", "_open")
+
+    def __init__(self, up: "Upstream", role: str, w: Worker) -> None:
+        self.up, self.role, self.w = up, role, w
+        self.resp: H1Response | None = None
+        flight = up.fleet.in_flight
+        flight[w.id] = flight.get(w.id, 0) + 1
+        self._open = True
+
+    async def __aenter__(self) -> "Leg":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.up.fleet.in_flight[self.w.id] -= 1
+            if self.resp is not None:
+                self.resp.close()
+
+    def failed(self, kind: str, passive: bool = True) -> None:
+        self.up.failed(self.role, self.w, kind, passive)
+
+    def ok(self) -> None:
+        """Close the worker's breaker (its call went well)."""
+        self.up.fleet.succeeded(self.w.id)
+
+    async def send(self, path: str, data: bytes, headers: dict[str, str], *, first_byte: float,
+                   stream: bool, idle: float | None = None) -> bytes:
+        """POST `data`; return the first bytes of a 2xx answer (the whole body unless `stream`).
+        On any failure the leg is closed and a mapped MeshError raised."""
+        w, role = self.w, self.role
+        try:
+            async with asyncio.timeout(first_byte):
+                self.resp = resp = await self.up.h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle)
+                if resp.status >= 300:
+                    body = await resp.read()
+                    if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
+                        self.failed("kv_transfer", passive=False)
+                        raise KVSourceLost(f"decode worker {w.id} could not pull the KV: {_error_message(body)}")
+                    self.failed(f"status_{resp.status // 100}xx", passive=resp.status >= 500)
+                    raise upstream_status_error(role, w, resp.status, body)
+                first = await (resp.readany() if stream else resp.read())
+            if not first:
+                self.failed("empty")
+                raise UpstreamError(f"{role} worker {w.id} closed its answer without a byte")
+            return first
+        except BaseException as e:
+            self.close()
+            if isinstance(e, TimeoutError):
+                self.failed("timeout")
+                raise UpstreamTimeout(f"{role} worker {w.id} sent no answer within {first_byte:g}s") from None
+            if isinstance(e, OSError):
+                connect = self.resp is None and not isinstance(e, H1Error)
+                self.failed("connect" if connect else "transport")
+                raise UpstreamError(f"{role} worker {w.id} failed: {e.__class__.__name__}: {e}",
+                                    may_hold_kv=not connect) from None
+            raise
+
+    async def json(self, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
+        """POST a JSON body and return the JSON object of its 2xx answer; the leg is closed after."""
+        try:
+            data = await self.send(path, orjson.dumps(body), headers, first_byte=timeout, stream=False)
+        finally:
+            self.close()
+        try:
+            out = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.failed("garbage")
+            raise UpstreamError(f"{self.role} worker {self.w.id} answered with a body that is not JSON") from None
+        if not isinstance(out, dict):
+            self.failed("garbage")
+            raise UpstreamError(f"{self.role} worker {self.w.id} answered with JSON that is not an object")
+        return out
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, metrics: Metrics,
-                 timeouts: Timeouts) -> None:
-        self.session = session
+    """Built once by `create_app`; `start()` (in the app's cleanup_ctx) opens the pooled session."""
+
+    def __init__(self, fleet: Fleet, metrics: Metrics, timeouts: Timeouts) -> None:
+        self._session: aiohttp.ClientSession | None = None
         self.fleet = fleet
         self.metrics = metrics
         self.timeouts = timeouts
@@ -61,51 +157,30 @@ class Upstream:
         # connect bound by aiohttp; whole-call bounds by asyncio.timeout around the call
         self.short = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Upstream.start() has not run")
+        return self._session
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              json_serialize=lambda o: orjson.dumps(o).decode())
+
+    async def close(self) -> None:
+        await self.h1.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def open(self, role: str, w: Worker) -> Leg:
+        """A leg to `w`, counted in flight until it is closed."""
+        return Leg(self, role, w)
+
     def failed(self, leg: str, w: Worker, kind: str, passive: bool = True) -> None:
         self.metrics.upstream_error(leg, kind)
         if passive:
             self.fleet.mark_failed(w.id)
-
-    async def post_json(self, leg: str, w: Worker, path: str, body: dict[str, Any],
-                        headers: dict[str, str], timeout: float, settle: bool = True) -> dict[str, Any]:
-        """POST a JSON body, return the decoded JSON answer of a 2xx, or raise. A good answer closes
-        the worker's breaker unless `settle` is off (the caller decides later: a prefill is good
-        once the decode could pull its KV)."""
-        flight = self.fleet.in_flight
-        flight[w.id] = flight.get(w.id, 0) + 1
-        resp: H1Response | None = None
-        try:
-            async with asyncio.timeout(timeout):
-                resp = await self.h1.post(w.host, w.port, path, orjson.dumps(body), headers, tls=w.tls)
-                status = resp.status
-                data = await resp.read()
-        except TimeoutError:
-            self.failed(leg, w, "timeout")
-            raise UpstreamTimeout(f"{leg} worker {w.id} did not answer within {timeout:g}s") from None
-        except OSError as e:
-            connect = resp is None and not isinstance(e, H1Error)
-            self.failed(leg, w, "connect" if connect else "transport")
-            err = UpstreamError(f"{leg} worker {w.id} failed: {e.__class__.__name__}: {e}")
-            err.answered = connect  # type: ignore[attr-defined]  # never connected: it holds nothing
-            raise err from None
-        finally:
-            flight[w.id] -= 1
-            if resp is not None:
-                resp.close()
-        if status >= 300:
-            self.failed(leg, w, f"status_{status // 100}xx", passive=status >= 500)
-            raise upstream_status_error(leg, w, status, data)
-        try:
-            out = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.failed(leg, w, "garbage")
-            raise UpstreamError(f"{leg} worker {w.id} answered with a body that is not JSON") from None
-        if not isinstance(out, dict):
-            self.failed(leg, w, "garbage")
-            raise UpstreamError(f"{leg} worker {w.id} answered with JSON that is not an object")
-        if settle:
-            self.fleet.succeeded(w.id)
-        return out
 
     async def release(self, w: Worker, transfer_id: str, reason: str) -> bool | None:
         """`POST /kv/release` (idempotent on the holder): True if this call freed the transfer,

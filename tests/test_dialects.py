@@ -135,15 +135,19 @@ async def test_sglang_decode_failure_is_re_paired_on_another_engine(make_pd, htt
     await held_nowhere(pd.fleet)  # rooms nobody claimed expire on the engine (its own timeout)
 
 
-async def test_vllm_decode_retry_reads_the_same_blocks_elsewhere(make_pd, http):
-    pd = await make_pd(FleetSpec(prefill=1, decode=2, dialect="vllm"), decode_policy="round_robin",
+async def test_vllm_failed_decode_is_re_paired_never_retried_on_the_same_params(make_pd, http):
+    """vLLM frees the prefill's blocks when a decode is aborted (PROTOCOL.md section 9): a decode that
+    failed is never sent the same params again; the request is re-paired with a new prefill."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=2, dialect="vllm", ttl_s=0.5), decode_policy="round_robin",
                        unhealthy_after=100)
     pd.fleet.decodes[0].faults = MockFaults(status=500)
     for i in range(4):
         async with http.post(pd.url + "/v1/completions", json={**BODY, "prompt": f"vd {i}"}) as r:
             assert r.status == 200, await r.text()
-    assert pd.fleet.decodes[1].requests == 4 and pd.fleet.prefills[0].requests == 4  # no re-prefill
-    await held_nowhere(pd.fleet)
+    assert pd.fleet.decodes[1].requests == 4
+    # every failed decode cost a new prefill: 4 good pairs plus one re-pair per failed decode
+    assert pd.fleet.prefills[0].requests == 4 + pd.fleet.decodes[0].requests
+    await held_nowhere(pd.fleet)  # the unread ones: freed by the engine's lease, as vLLM does
 
 
 async def test_vllm_kv_left_unread_is_freed_by_the_engine_timeout(make_pd, http):

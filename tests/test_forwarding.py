@@ -65,9 +65,12 @@ async def recorded():
         await site.start()
         runners.append(r)
         urls[role] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": urls["prefill"], "model": "m"}, 0),),
+    # this project's protocol: the prefill serves the holder API, the decode honours first_token_early
+    cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": urls["prefill"], "model": "m",
+                                                              "capabilities": ["holder_api", "load_v1"]}, 0),),
                      decode=(make_worker("decode", {"url": urls["decode"], "model": "m", "tp_size": 2,
-                                                    "kv_port": 9100}, 0),))
+                                                    "kv_port": 9100,
+                                                    "capabilities": ["first_token_early", "load_v1"]}, 0),))
     cfg = dataclasses.replace(cfg, first_token_early=False)  # byte-exact relay of the decode's stream
     mesh = await start_site(create_app(cfg, mesh_id="mesh-test"), "127.0.0.1", 0)
     runners.append(mesh)
@@ -100,10 +103,13 @@ async def test_legs_carry_the_protocol(recorded, http, path):
     assert kv["remote_handshake_port"] == 9100 and kv["remote_dp_size"] == 1
     assert kv["mesh_id"] == "mesh-test"
     # section 5: the decode leg gets the client's body and every prefill field verbatim, plus the
-    # mesh's one addition: the response's id and created (so first-token-early keeps the bytes)
+    # mesh's additions: ATOM's router enrichment (section 9) and, for a decode of this project, the
+    # response's id and created (so first-token-early keeps the bytes)
     assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == body
     dkv = dict(db["kv_transfer_params"])
     meta = dkv.pop("response_meta")
+    assert (dkv.pop("remote_tp_size"), dkv.pop("remote_dp_size"), dkv.pop("remote_dp_rank")) == (
+        PREFILL_KV["tp_size"], 1, PREFILL_KV["dp_rank"])
     assert dkv == PREFILL_KV
     assert meta["id"] == ("chatcmpl-rid-7" if "chat" in path else "cmpl-rid-7") and isinstance(meta["created"], int)
 

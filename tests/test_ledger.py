@@ -178,13 +178,15 @@ async def test_randomized_faults_leave_nothing_held(http):
 
 
 def test_finished_ring_stays_bounded_and_in_step():
-    from mesh.config import make_worker
+    from mesh.config import Timeouts, make_worker
     from mesh.fleet import Fleet, StaticRegistry
     from mesh.ledger import Ledger, State
     from mesh.metrics import Metrics
+    from mesh.upstream import Upstream
 
     fleet = Fleet(StaticRegistry(()))
-    led = Ledger("m", fleet, Metrics(lambda: ()))
+    metrics = Metrics(lambda: ())
+    led = Ledger("m", fleet, metrics, Upstream(fleet, metrics, Timeouts()))
     w = make_worker("prefill", {"url": "http://h:1", "model": "m"}, 0)
     for i in range(10000):
         e = led.begin(f"r{i}", w)

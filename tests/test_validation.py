@@ -40,7 +40,7 @@ CASES = [
     ("completions", {**OK, "temperature": 5}, "temperature"),
     ("completions", {**OK, "temperature": "hot"}, "temperature"),
     ("completions", {**OK, "top_p": -0.1}, "top_p"),
-    ("completions", {**OK, "n": 2}, "n"),
+    ("completions", {**OK, "n": 129}, "n"),
     ("completions", {**OK, "stop": [1]}, "stop"),
     ("completions", {**OK, "user": 7}, "user"),
     ("completions", {**OK, "kv_transfer_params": {}}, "kv_transfer_params"),

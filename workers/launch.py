@@ -11,7 +11,7 @@ from aiohttp import web
 
 from mesh.errors import ConfigError
 from mesh.etcd import EtcdConfig
-from mesh.protocol import DecodeRecord, PrefillRecord, RankRecord, StageRecord
+from mesh.protocol import OWN_CAPABILITIES, DecodeRecord, PrefillRecord, RankRecord, StageRecord
 from workers.engine.config import EngineConfig
 from workers.register import EnrollConfig, Enrollment
 
@@ -75,11 +75,12 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
                            for s in server.stage_addrs())
             record: Any = PrefillRecord(id=wid, model=model, url=url, pp_size=len(stages),
                                         tp_size=a.tp_size if tp_prefill else 1, block_size=cfg.block_size,
-                                        num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, stages=stages)
+                                        num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, stages=stages,
+                                        capabilities=OWN_CAPABILITIES)
         else:
             stages = ()
             record = DecodeRecord(id=wid, model=model, url=url, tp_size=a.tp_size, block_size=cfg.block_size,
-                                  num_blocks=cfg.num_blocks, kv_backend=a.kv_backend,
+                                  num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, capabilities=OWN_CAPABILITIES,
                                   ranks=tuple(RankRecord(tp_rank=r.tp_rank, host=a.host, segment=r.segment)
                                               for r in server.ranks()))
         own = stages[:1] if role == "prefill" else ()   # stage 0 lives here; the others enroll themselves

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from mesh.dialects import check_dialect
 from mesh.errors import KVTransferError, ProtocolError, error_body
-from mesh.protocol import (ConsumerRank, KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand,
+from mesh.protocol import (OWN_CAPABILITIES, ConsumerRank, KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand,
                            StageAddr, WriteRequest)
 from mesh.request import render_prompt
 from mesh.sse import Answer
@@ -112,6 +112,9 @@ class _Worker:
                  seed: int | None = None, dialect: str = "atom") -> None:
         self.id, self.model, self.host = worker_id, model, host
         self.dialect = check_dialect(dialect)
+        # PROTOCOL.md section 8: the mock speaking this project's protocol serves all three; a mock
+        # speaking vLLM's or SGLang's dialect serves none of them, as those engines do not
+        self.capabilities = OWN_CAPABILITIES if self.dialect == "atom" else ()
         self.timing = timing
         self._faults = faults
         self.rng = random.Random(seed)
@@ -164,7 +167,7 @@ class _Worker:
         return _json(self.load().encode())
 
     def load(self) -> LoadReport:
-        return LoadReport(in_flight=self.in_flight)
+        return LoadReport(in_flight=self.in_flight, capabilities=self.capabilities)
 
     async def _set_faults(self, request: web.Request) -> web.Response:
         try:
@@ -350,7 +353,8 @@ class MockPrefill(_Worker):
 
     def load(self) -> LoadReport:
         return LoadReport(in_flight=self.in_flight, held_transfers=len(self.holder),
-                          free_blocks=self.holder.pool.free, num_blocks=self.holder.pool.num_blocks)
+                          free_blocks=self.holder.pool.free, num_blocks=self.holder.pool.num_blocks,
+                          capabilities=self.capabilities)
 
     async def _held(self, request: web.Request) -> web.Response:
         try:
@@ -584,10 +588,11 @@ class MockFleet:
         pre = tuple(make_worker("prefill", {"url": w.url, "id": w.id, "model": w.model, "pp_size": w.pp_size,
                                             "block_size": w.block_size, "num_blocks": w.holder.pool.num_blocks,
                                             "stages": w.record_stages(), "dialect": w.dialect,
+                                            "capabilities": list(w.capabilities),
                                             **({"bootstrap_port": w.port} if w.dialect == "sglang" else {})}, i)
                     for i, w in enumerate(self.prefills))
         dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model, "tp_size": w.tp_size,
-                                           "dialect": w.dialect}, i)
+                                           "dialect": w.dialect, "capabilities": list(w.capabilities)}, i)
                     for i, w in enumerate(self.decodes))
         return pre, dec
 

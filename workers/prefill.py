@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from mesh.errors import InvalidRequest, ProtocolError
-from mesh.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
+from mesh.protocol import OWN_CAPABILITIES, KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
 from workers.engine.pp import PPEngine
 from workers.engine.tp import TPEngine
 from workers.kv.holder import Held, TransferHolder
@@ -85,7 +85,7 @@ class PrefillServer(EngineServer):
     def load(self) -> LoadReport:
         base = super().load()
         return LoadReport(in_flight=base.in_flight, queued=base.queued, held_transfers=len(self.holder),
-                          free_blocks=base.free_blocks, num_blocks=base.num_blocks)
+                          free_blocks=base.free_blocks, num_blocks=base.num_blocks, capabilities=OWN_CAPABILITIES)
 
     async def _held(self, request: web.Request) -> web.Response:
         try:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from mesh.tracing import kv_pull_header
 from mesh.errors import InvalidRequest, MeshError, error_body
-from mesh.protocol import LoadReport
+from mesh.protocol import OWN_CAPABILITIES, LoadReport
 from workers.engine.engine import Engine, StepOutput
 from workers.openai_io import Answer, Detokenizer, GenRequest, parse
 
@@ -136,7 +136,7 @@ class EngineServer:
     def load(self) -> LoadReport:
         b = self.engine.blocks
         return LoadReport(in_flight=self.in_flight, queued=len(self.engine.scheduler.waiting), free_blocks=b.free,
-                          num_blocks=b.num_blocks)
+                          num_blocks=b.num_blocks, capabilities=OWN_CAPABILITIES)
 
     async def _load(self, request: web.Request) -> web.Response:
         if self.failed:  # the mesh's probe takes a broken worker out

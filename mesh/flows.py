@@ -1,0 +1,247 @@
+"""PD flows: one per dialect, each declaring its steps (DESIGN.md item 14, PROTOCOL.md sections 4-5, 9).
+
+A `Flow` says what differs between the engines behind the mesh; the orchestration loop that runs
+it (pick a pair -> prefill -> hand-off -> decode -> relay -> settle, one re-pair loop for failures
+before the client's first byte) is written once, in `mesh.proxy`.
+
+- `prefill_body`: the prefill leg's body.
+- `handoff`: the prefill's answer -> the decode leg's body, the transfer's ledger key and size,
+  and whether the mesh sends token 0 early.
+- `tracked`: whether the ledger follows the transfer (only through the holder API, section 7).
+- `drain_body`: how an orphaned transfer is freed on an engine without a release API (a decode leg
+  of one token on the same params, whose consumer-driven release frees the producer), or None.
+- `retry_decode`: whether a decode that failed before its first byte may go to another engine with
+  the same params (else the request is re-paired with a new prefill).
+- `fanout`: list prompts and `n` > 1 are split into one PD pair per (prompt, choice) and merged
+  back (`mesh.fanout`); otherwise they go to the engines as they came (`batch`).
+
+Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mesh.dialects import ATOM, DEFAULT_BOOTSTRAP_PORT, SGLANG, VLLM, one_token
+from mesh.errors import InvalidRequest, ProtocolError
+from mesh.protocol import FIRST_TOKEN_EARLY, HOLDER_API, KVRequestParams
+from mesh.request import ClientRequest
+from mesh.snapshot import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    decode_body: dict[str, Any]
+    params: dict[str, Any]          # the decode's kv_transfer_params
+    key: str = ""                   # the transfer's ledger key, str(transfer_id); "" when none
+    blocks: int = 0
+    first_token_id: int | None = None
+    early: bool = False             # the mesh sends the role chunk and token 0 before the decode leg
+
+
+def _scalar(v: Any) -> bool:
+    return v is not None and not isinstance(v, (dict, list))
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
+class Flow:
+    dialect = ""
+    concurrent = False    # both legs at once, meeting on a rendezvous (SGLang)
+    retry_decode = True
+    fanout = True
+    drains = False        # an untracked orphan is freed by a drain leg (`drain_body`)
+    drop: tuple[str, ...] = ()   # client fields kept off the prefill leg
+
+    def tracked(self, pipeline: Worker) -> bool:
+        return False
+
+    def prefill_body(self, creq: ClientRequest, pw: Worker, dw: Worker, mesh_id: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
+                early_ok: bool) -> Handoff:
+        raise NotImplementedError
+
+    def drain_body(self, creq: ClientRequest, h: Handoff) -> dict[str, Any] | None:
+        return None
+
+    def check(self, creq: ClientRequest) -> None:
+        """Refuse what this flow cannot serve (a clear 400), before any leg is sent."""
+
+    def _one_token(self, body: dict[str, Any]) -> dict[str, Any]:
+        out = one_token(body)
+        for k in self.drop:
+            out.pop(k, None)
+        return out
+
+
+class AtomFlow(Flow):
+    """This project's workers and ATOM (ROCm/ATOM): prefill first; the decode gets every field of
+    the prefill's params plus ATOM's router enrichment (`remote_dp_rank`, `remote_dp_size`,
+    `remote_tp_size`: atom/mesh `core/placement/backend/atom.rs` `enrich_decode_kv`). Only a decode
+    declaring `first_token_early` gets token 0 early (ATOM's decode injects and emits T0 itself).
+    Transfers are tracked where the prefill has the holder API; elsewhere (ATOM frees a transfer
+    only once a consumer pulled it) an orphan is drained by a one-token decode leg."""
+
+    dialect = ATOM
+    drains = True
+
+    def tracked(self, pipeline: Worker) -> bool:
+        return pipeline.has(HOLDER_API)
+
+    def prefill_body(self, creq: ClientRequest, pw: Worker, dw: Worker, mesh_id: str) -> dict[str, Any]:
+        out = self._one_token(creq.body)
+        rec = dw.record
+        extra = {"mesh_id": mesh_id} if pw.has(HOLDER_API) else {}
+        out["kv_transfer_params"] = KVRequestParams(
+            remote_engine_id=dw.id, remote_host=dw.host, remote_port=dw.port,
+            remote_handshake_port=int(rec.extra.get("kv_port", 0)), remote_tp_size=rec.tp_size,
+            extra=extra).encode()
+        return _stop_as_list(out)
+
+    def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
+                early_ok: bool) -> Handoff:
+        raw = answer.get("kv_transfer_params")
+        if not isinstance(raw, dict):
+            raise ProtocolError("the prefill answer has no kv_transfer_params object", param="kv_transfer_params")
+        tid = raw.get("transfer_id")
+        if not _scalar(tid):
+            raise ProtocolError(f"kv_transfer_params.transfer_id must be a JSON scalar, got {tid!r}",
+                                param="kv_transfer_params.transfer_id")
+        ids = raw.get("remote_block_ids")
+        if not isinstance(ids, list) or not all(_int(b) for b in ids):
+            raise ProtocolError("kv_transfer_params.remote_block_ids must be an array of integers",
+                                param="kv_transfer_params.remote_block_ids")
+        ft = raw.get("first_token_id")
+        if ft is not None and not _int(ft):
+            raise ProtocolError("kv_transfer_params.first_token_id must be an integer or null",
+                                param="kv_transfer_params.first_token_id")
+        params = dict(raw)   # every field of the prefill, types unchanged
+        params["do_remote_prefill"] = True
+        params["do_remote_decode"] = False
+        # ATOM router `enrich_decode_kv`: what the decode's ReqMeta needs and the prefill omits
+        tp = raw.get("tp_size")
+        params.setdefault("remote_tp_size", tp if _int(tp) else pw.record.tp_size)
+        params.setdefault("remote_dp_size", getattr(pw.record, "dp_size", 1))
+        if _int(raw.get("dp_rank")):
+            params.setdefault("remote_dp_rank", raw["dp_rank"])
+        early = False
+        if dw.has(FIRST_TOKEN_EARLY):
+            # this project's additions: the answer's id and created (the same bytes however the
+            # stream is sent) and, with first token early, that the role chunk and T0 are out
+            params["response_meta"] = {"id": ("chatcmpl-" if creq.kind == "chat" else "cmpl-") + creq.request_id,
+                                       "created": int(time.time())}
+            early = early_ok and creq.stream and ft is not None
+            if early:
+                params["first_token_early"] = True
+        body = _stop_as_list(dict(creq.body))
+        body["kv_transfer_params"] = params
+        return Handoff(body, params, str(tid), len(ids), ft, early)
+
+    def drain_body(self, creq: ClientRequest, h: Handoff) -> dict[str, Any] | None:
+        out = _stop_as_list(self._one_token(creq.body))
+        out["kv_transfer_params"] = {k: v for k, v in h.params.items()
+                                     if k not in ("response_meta", "first_token_early")}
+        return out
+
+
+class VllmFlow(Flow):
+    """vLLM with the NIXL connector (vllm `distributed/kv_transfer/kv_connector/v1/nixl_connector.py`,
+    `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`): prefill first with null remote
+    fields; the decode gets the prefill's params verbatim and writes every token itself. vLLM frees
+    the prefill's blocks on the decode's read, on a decode abort, or when its lease lapses, so a
+    failed decode is never retried on the same params, and nothing is drained."""
+
+    dialect = VLLM
+    retry_decode = False
+    drop = ("min_tokens", "min_completion_tokens")
+
+    def prefill_body(self, creq: ClientRequest, pw: Worker, dw: Worker, mesh_id: str) -> dict[str, Any]:
+        out = self._one_token(creq.body)
+        out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        return out
+
+    def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
+                early_ok: bool) -> Handoff:
+        raw = answer.get("kv_transfer_params")
+        if not isinstance(raw, dict):
+            raise ProtocolError("the prefill answer has no kv_transfer_params object", param="kv_transfer_params")
+        if not raw.get("do_remote_prefill"):
+            raise ProtocolError("kv_transfer_params.do_remote_prefill is not true", param="kv_transfer_params")
+        for k in ("remote_engine_id", "remote_block_ids"):
+            if raw.get(k) is None:
+                raise ProtocolError(f"kv_transfer_params.{k} is missing", param=f"kv_transfer_params.{k}")
+        body = dict(creq.body)
+        body["kv_transfer_params"] = raw
+        return Handoff(body, raw)
+
+
+class SglangFlow(Flow):
+    """SGLang (sgl-project/sglang `python/sglang/srt/disaggregation/mini_lb.py`, the model gateway's
+    PD router): the same `bootstrap_host/port/room` on both legs, sent at once; batches (a list
+    prompt, chat `n` > 1) carry lists of rooms. The decode builds `http://{host}:{port}/route`
+    (`disaggregation/decode.py`, `common/conn.py`), so an IPv6 host goes in brackets."""
+
+    dialect = SGLANG
+    concurrent = True
+    retry_decode = False
+    fanout = False
+
+    def check(self, creq: ClientRequest) -> None:
+        if creq.kind == "completions" and (creq.body.get("n") or 1) > 1:
+            raise InvalidRequest("n: values above 1 are not served on /v1/completions by SGLang PD pipelines "
+                                 "(the gateway gives rooms per prompt, not per choice); send n separate requests",
+                                 param="n")
+
+    def bodies(self, creq: ClientRequest, pw: Worker) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(prefill body, decode body): the client's body plus the same bootstrap fields; the prefill
+        leg is not streamed (its answer only says the prefill finished)."""
+        extra = pw.record.extra
+        port = int(extra.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
+        host = bracket_host(str(extra.get("bootstrap_host") or pw.host))
+        n = batch_size(creq)
+        if n is None:
+            boot: dict[str, Any] = {"bootstrap_host": host, "bootstrap_port": port,
+                                    "bootstrap_room": secrets.randbits(63)}
+        else:
+            boot = {"bootstrap_host": [host] * n, "bootstrap_port": [port] * n,
+                    "bootstrap_room": [secrets.randbits(63) for _ in range(n)]}
+        dec = {**creq.body, **boot}
+        pre = {**creq.body, **boot, "stream": False}
+        pre.pop("stream_options", None)
+        return pre, dec
+
+
+def batch_size(creq: ClientRequest) -> int | None:
+    """SGLang's batch size of a request (sgl-model-gateway `get_*_batch_size`): a list of prompts, or
+    chat `n` > 1; None for a single request."""
+    if creq.kind == "chat":
+        n = creq.body.get("n") or 1
+        return n if n > 1 else None
+    p = creq.body.get("prompt")
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        return len(p)
+    return None
+
+
+def bracket_host(host: str) -> str:
+    """An IPv6 literal in brackets, as it must appear in `http://{host}:{port}`."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _stop_as_list(body: dict[str, Any]) -> dict[str, Any]:
+    """`stop` as an array: ATOM's request model declares `stop: list[str] | None` (a string is a
+    422 there); the same meaning for every OpenAI engine."""
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    return body
+
+
+FLOWS: dict[str, Flow] = {f.dialect: f for f in (AtomFlow(), VllmFlow(), SglangFlow())}
