@@ -17,6 +17,7 @@ from mesh.admission import AdmissionConfig
 from mesh.config import MeshConfig, Timeouts, load_toml, workers_from
 from mesh.errors import ConfigError
 from mesh.etcd import EtcdConfig
+from mesh.protocol import CAPABILITIES
 from mesh.request import Limits
 
 log = logging.getLogger("mesh")
@@ -194,7 +195,11 @@ def cmd_register(a: argparse.Namespace) -> None:
             raise ConfigError(f"--role {a.role} needs --url and --model")
         spec = {"url": a.url, "model": a.model, "id": a.id or f"{a.role}-{a.url.split('://')[-1].replace(':', '-')}",
                 "tp_size": a.tp_size, "block_size": a.block_size, "num_blocks": a.num_blocks,
-                "kv_backend": a.kv_backend, "dialect": a.dialect}
+                "kv_backend": a.kv_backend, "dialect": a.dialect, "capabilities": a.capability or []}
+        if a.dp_size != 1:
+            if a.role != "prefill":
+                raise ConfigError("--dp-size is for --role prefill")
+            spec["dp_size"] = a.dp_size
         if a.bootstrap_port is not None:
             if a.dialect != "sglang" or a.role != "prefill":
                 raise ConfigError("--bootstrap-port is for --role prefill --dialect sglang")
@@ -480,6 +485,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--id", help="pipeline / engine id (default: from the URL)")
     r.add_argument("--pp-size", type=int, default=1)
     r.add_argument("--tp-size", type=int, default=1)
+    r.add_argument("--dp-size", type=int, default=1,
+                   help="--role prefill: data-parallel ranks behind the URL (ATOM's decode enrichment)")
+    r.add_argument("--capability", action="append", choices=list(CAPABILITIES),
+                   help="repeatable: what the worker serves beyond OpenAI (docs/protocol: section 8); "
+                        "an external engine declares none unless its operator says so")
     r.add_argument("--stage", action="append", metavar="PP_RANK:HOST:KV_PORT:START-END")
     r.add_argument("--pipeline-id", help="--role stage: the pipeline whose stage(s) this process keeps alive")
     r.add_argument("--pid", type=int, help="pid written in stage liveness keys (default: this process)")
