@@ -214,11 +214,12 @@ class Proxy:
         e = ledger.begin(creq.request_id, pw)
         headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
         span, ph = self._span("prefill", creq, pw, headers)
-        job = asyncio.ensure_future(self.up.open("prefill", pw).json(
-            creq.path, flow.prefill_body(creq, pw, dw, self.mesh_id), ph, self.cfg.timeouts.prefill))
+        call = self.up.open("prefill", pw).json(creq.path, flow.prefill_body(creq, pw, dw, self.mesh_id), ph,
+                                                self.cfg.timeouts.prefill)
+        # an engine without a release API keeps what a cut prefill held: let it finish, then drain
+        job = asyncio.ensure_future(call) if drains else None
         try:
-            # an engine without a release API keeps what a cut prefill held: let it finish, then drain
-            pres = await (asyncio.shield(job) if drains else job)
+            pres = await (asyncio.shield(job) if job is not None else call)
             self._end(span)
         except MeshError as err:
             self._end(span, err)
@@ -229,7 +230,7 @@ class Proxy:
         except BaseException as err:  # cancelled by a client that left
             self._end(span, err)
             ledger.prefill_failed(e, uncertain=True)
-            if drains:
+            if job is not None:
                 self.bg.spawn(self._drain_after(job, flow, creq, pw, dw))
             raise
         t1 = asyncio.get_running_loop().time()

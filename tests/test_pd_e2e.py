@@ -120,6 +120,39 @@ def settled(fleet) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_atom_flow_checks_on_real_workers(fleet, expected):
+    """The ATOM suite's checks (tests/test_atom.py) on this project's workers: one stream id, one role
+    chunk, token 0 exactly once (ids == HF), a list of prompts as one PD pair each, merged; every
+    transfer tracked by the ledger through the holder API and none expired."""
+    with httpx.Client(timeout=60) as c:
+        r = c.post(fleet["url"] + "/v1/chat/completions", json=body("m", 1, True))
+        assert r.status_code == 200
+        evs = [orjson.loads(e[6:]) for e in r.content.split(b"\n\n") if e.startswith(b"data: {")]
+        assert len({e["id"] for e in evs}) == 1
+        assert sum(1 for e in evs for ch in e["choices"] if (ch.get("delta") or {}).get("role")) == 1
+        assert ids_of(r.content, True) == expected[("m", 1)]
+        for stream in (False, True):
+            r = c.post(fleet["url"] + "/v1/completions", json={**body("c", PROMPTS[0], stream), "prompt": PROMPTS[:2]})
+            assert r.status_code == 200, r.text
+            per: dict[int, list[int]] = {}
+            if stream:
+                for e in r.content.split(b"\n\n"):
+                    if e.startswith(b"data: {"):
+                        for ch in orjson.loads(e[6:])["choices"]:
+                            per.setdefault(ch["index"], []).extend(ch.get("token_ids", []))
+            else:
+                per = {ch["index"]: ch["token_ids"] for ch in r.json()["choices"]}
+            assert per == {0: expected[("c", PROMPTS[0])], 1: expected[("c", PROMPTS[1])]}
+    settled(fleet)
+    deadline = time.monotonic() + 10
+    while (led := httpx.get(fleet["url"] + "/kv/ledger").json())["open"]:
+        assert time.monotonic() < deadline, led
+        time.sleep(0.1)
+    assert led["terminal"].get("RELEASED", 0) >= 5
+    assert "EXPIRED" not in led["terminal"] and "UNRECLAIMABLE" not in led["terminal"]
+
+
+@pytest.mark.timeout(300)
 def test_greedy_output_equals_transformers(fleet, expected):
     with httpx.Client(timeout=60) as c:
         for stream in (False, True):

@@ -67,8 +67,8 @@ def _free_base(n: int) -> int:
         try:
             for i in range(n):
                 t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
                 socks.append(t)
+                t.bind(("127.0.0.1", base + i))
             return base
         except OSError:
             continue
