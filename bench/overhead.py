@@ -6,7 +6,14 @@ them with a closed-loop asyncio client at each concurrency, for non-streaming JS
 leg itself, exactly as the mesh would). Reports req/s, p50/p99 latency, TTFT, and the mesh
 process's own CPU time per request; writes JSON under bench/results/.
 
-    .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64]
+    .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64] [--mesh-tree DIR]
+
+Before/after a change, in one run on one machine: check the old commit out in a worktree and let
+this same script start the mesh and the mock fleet from each tree in turn (alternate a few rounds:
+these machines are noisy):
+
+    git worktree add /tmp/before <old-commit>
+    for r in 1 2 3; do for t in /tmp/before .; do .venv/bin/python bench/overhead.py --mesh-tree $t; done; done
 """
 
 from __future__ import annotations
@@ -191,7 +198,11 @@ if __name__ == "__main__":
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--policy", default="cache_aware", help="prefill policy of the mesh")
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--ledger-interval 1'")
+    ap.add_argument("--mesh-tree", help="run `mesh serve` and `mesh mock-fleet` from this source tree (a worktree "
+                    "of another commit) instead of this one")
     args = ap.parse_args()
+    if args.mesh_tree:  # the processes this script starts import the mesh from there
+        os.environ["PYTHONPATH"] = str(Path(args.mesh_tree).resolve())
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     try:
         import uvloop

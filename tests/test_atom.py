@@ -281,3 +281,38 @@ async def test_mock_fleet_in_the_atom_dialect_passes_the_same_checks(make_pd, ht
     assert st == 200 and [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1]
     assert await pd.wait_released() == 0
     assert pd.state.ledger.began == 6  # the holder API: every transfer on the ledger
+
+
+async def test_capabilities_learnt_from_load_or_none(make_pd, http):
+    """PROTOCOL.md section 8: a static `--prefill URL` worker of this project is known by its /load
+    answer; an ATOM engine has no /load report, declares nothing and is probed at /health."""
+    from mesh.config import make_worker
+    from mesh.protocol import OWN_CAPABILITIES
+    from workers.mock import FleetSpec
+
+    atom = await AtomServer("decode", model="mock-model").start()
+    try:
+        base = await make_pd(FleetSpec(prefill=1, decode=1))
+        pw = make_worker("prefill", {"url": base.fleet.prefills[0].url}, 0)   # no capabilities given
+        dw = make_worker("decode", {"url": base.fleet.decodes[0].url}, 0)
+        aw = make_worker("decode", {"url": atom.url, "id": "atom-d"}, 1)
+        pd = await make_pd(FleetSpec(prefill=1, decode=1), prefill=(pw,), decode=(dw, aw))
+        caps = {w.id: w.record.capabilities for w in pd.state.fleet.workers()}
+        assert caps == {pw.id: OWN_CAPABILITIES, dw.id: OWN_CAPABILITIES, "atom-d": ()}
+        assert pd.state.fleet.healthy("atom-d")
+        assert atom.paths.count("/load") == 1 and "/health" in atom.paths   # asked once, then /health
+        async with http.get(pd.url + "/workers") as r:
+            rows = {w["id"]: w for w in (await r.json())["workers"]}
+        assert rows["atom-d"]["healthy"] and rows["atom-d"]["record"]["capabilities"] == []
+    finally:
+        await atom.close()
+
+
+def test_register_refuses_unknown_capabilities_and_misplaced_dp_size():
+    import subprocess
+
+    base = [MESH_BIN, "register", "--etcd", "http://127.0.0.1:1", "--model", "m", "--url", "http://127.0.0.1:9"]
+    r = subprocess.run([*base, "--role", "decode", "--capability", "teleport"], capture_output=True, text=True)
+    assert r.returncode == 2 and "teleport" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([*base, "--role", "decode", "--dp-size", "2"], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "--dp-size is for --role prefill" in r.stderr and "Traceback" not in r.stderr
