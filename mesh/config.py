@@ -29,6 +29,7 @@ left out, and is then learnt from the worker's `GET /v1/models`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,7 @@ class MeshConfig:
     first_token_early: bool = True             # PD streams: send the prefill's token before decode starts
     admission: AdmissionConfig = AdmissionConfig()
     api_keys: tuple[str, ...] = ()             # set: /v1/* needs `Authorization: Bearer <one of them>`
+    forward_client_auth: bool = False          # pass the client's Authorization on to workers without a key of their own
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -132,8 +134,9 @@ def _check_url(url: Any, where: str) -> str:
     return url.rstrip("/")
 
 
-def make_worker(role: str, spec: dict[str, Any], index: int) -> Worker:
-    """A static worker from a TOML table or a bare `--prefill URL` flag."""
+def make_worker(role: str, spec: dict[str, Any], index: int, *, here: bool = True) -> Worker:
+    """A static worker from a TOML table or a bare `--prefill URL` flag (`here`: the mesh that routes
+    to it runs in this process, so an `api_key_env` must be set here)."""
     where = f"{role}[{index}]"
     url = _check_url(spec.get("url"), where)
     data = {"id": f"{role}-{index}", "model": "", **spec, "url": url}
@@ -142,6 +145,9 @@ def make_worker(role: str, spec: dict[str, Any], index: int) -> Worker:
         record = cls.decode(data, where)
         check_dialect(record.dialect, f"{where}.dialect")
         check_capabilities(record.capabilities, f"{where}.capabilities")
+        if here and record.api_key_env and not os.environ.get(record.api_key_env):
+            raise ProtocolError(f"{where}.api_key_env: the environment variable {record.api_key_env!r} is not set",
+                                param=f"{where}.api_key_env")
         if getattr(record, "dp_size", 1) < 1 or record.tp_size < 1:
             raise ProtocolError(f"{where}: tp_size and dp_size must be >= 1", param=f"{where}.dp_size")
     except ProtocolError as e:

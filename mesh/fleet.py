@@ -72,6 +72,7 @@ class Fleet:
         self._probe_fails: dict[str, int] = {}    # consecutive failed /load probes
         self._no_load: set[str] = set()           # workers without /load: probed at /health
         self.learnt_caps: dict[str, tuple[str, ...]] = {}  # from /load, for workers that declare none
+        self.cards: dict[str, dict[str, object]] = {}      # the worker's own /v1/models entry (max_model_len, root...)
         self._healthy: set[str] = set()
         self._known: tuple[Worker, ...] = ()
         self._on_rebuild = on_rebuild
@@ -103,7 +104,7 @@ class Fleet:
         ids = {w.id for w in ws}
         self._healthy &= ids
         for d in (self._fails, self._probe_fails, self._open_until, self.loads, self.models, self.kv_free,
-                  self.learnt_caps):
+                  self.learnt_caps, self.cards):
             for k in [k for k in d if k not in ids]:
                 del d[k]
         self.table = RoutingTable.build(ws, frozenset(self._healthy))
@@ -174,7 +175,7 @@ class Fleet:
         declared = w.record.capabilities
         try:
             if LOAD_V1 in declared or (not declared and w.id not in self._no_load):
-                async with session.get(f"{w.url}/load", timeout=to) as r:
+                async with session.get(f"{w.url}/load", timeout=to, headers=w.auth) as r:
                     raw = await r.read() if r.status == 200 else b""
                     status = r.status
                 load = None
@@ -196,15 +197,17 @@ class Fleet:
                 else:  # no load report here (404, or another engine's /load): /health from now on
                     self._no_load.add(w.id)
             if LOAD_V1 not in w.record.capabilities and (declared or w.id in self._no_load):
-                async with session.get(f"{w.url}/health", timeout=to) as r:
+                async with session.get(f"{w.url}/health", timeout=to, headers=w.auth) as r:
                     if r.status != 200:
                         raise ProtocolError(f"/health answered {r.status}")
-            if not w.model:
-                async with session.get(f"{w.url}/v1/models", timeout=to) as r:
-                    data = orjson.loads(await r.read())
-                    models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and m.get("id")]
-                    if models:
-                        self.models[w.id] = models[0]
+            if not w.model or w.id not in self.cards:
+                async with session.get(f"{w.url}/v1/models", timeout=to, headers=w.auth) as r:
+                    data = orjson.loads(await r.read()) if r.status == 200 else {}
+                cards = [m for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+                if cards and not w.model:
+                    self.models[w.id] = cards[0]["id"]
+                mine = [c for c in cards if c["id"] == (w.model or cards[0]["id"])]
+                self.cards[w.id] = mine[0] if mine else {}
         except (aiohttp.ClientError, TimeoutError, ProtocolError, orjson.JSONDecodeError,
                 AttributeError, KeyError, TypeError) as e:
             log.debug("probe of %s failed: %s", w.id, e)

@@ -60,6 +60,7 @@ class PrefillRecord:
     draining: bool = False
     dp_size: int = 1                       # data-parallel ranks behind the url (ATOM decode enrichment)
     capabilities: tuple[str, ...] = ()     # section 8
+    api_key_env: str = ""                  # the mesh sends Bearer $<this env var> to the worker (never the key)
 
 
 @message
@@ -92,6 +93,7 @@ class DecodeRecord:
     ranks: tuple[RankRecord, ...] = ()
     draining: bool = False
     capabilities: tuple[str, ...] = ()     # section 8
+    api_key_env: str = ""                  # the mesh sends Bearer $<this env var> to the worker (never the key)
 
 
 @message

@@ -128,6 +128,12 @@ class Proxy:
             span.set_attribute("http.response.status_code", resp.status)
             return resp
 
+    def _headers(self, request: web.Request, creq: ClientRequest) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        if self.cfg.forward_client_auth and "Authorization" in request.headers:
+            h["Authorization"] = request.headers["Authorization"]
+        return h
+
     def _span(self, name: str, creq: ClientRequest, w: Worker, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
         """A leg's span and the headers that carry it (the same headers when tracing is off)."""
         if self.tracing is None:
@@ -188,7 +194,7 @@ class Proxy:
                 flow = FLOWS[pw.record.dialect]
                 flow.check(creq)
                 if flow.concurrent:
-                    return await self._concurrent(creq, flow, pw, dw, t0)
+                    return await self._concurrent(request, creq, flow, pw, dw, t0)
                 return await self._prefill_first(request, creq, flow, pw, dw, t0, allow_early)
             except RePair as rp:
                 not_p += (rp.pipeline,) if rp.pipeline is not None else ()
@@ -212,7 +218,7 @@ class Proxy:
         drains = flow.drains and not tracked
         ledger = self.ledger if tracked else UNTRACKED
         e = ledger.begin(creq.request_id, pw)
-        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        headers = self._headers(request, creq)
         span, ph = self._span("prefill", creq, pw, headers)
         call = self.up.open("prefill", pw).json(creq.path, flow.prefill_body(creq, pw, dw, self.mesh_id), ph,
                                                 self.cfg.timeouts.prefill)
@@ -297,10 +303,11 @@ class Proxy:
             self._end(span)
         return Decoded(leg, first, t1, early, settle)
 
-    async def _concurrent(self, creq: ClientRequest, flow: Any, pw: Worker, dw: Worker, t0: float) -> Decoded:
+    async def _concurrent(self, request: web.Request, creq: ClientRequest, flow: Any, pw: Worker, dw: Worker,
+                          t0: float) -> Decoded:
         """Both legs at once, meeting on the flow's rendezvous; the decode answers the client."""
         pbody, dbody = flow.bodies(creq, pw)
-        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        headers = self._headers(request, creq)
         pspan, ph = self._span("prefill", creq, pw, headers)
         dspan, dh = self._span("decode", creq, dw, headers)
         pre = asyncio.ensure_future(self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill))
@@ -487,7 +494,7 @@ class Proxy:
     async def regular(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
         w = self._pick("worker", creq)
-        headers = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
+        headers = self._headers(request, creq)
         leg, first = await self._open_leg("worker", w, creq, await request.read(), headers, retry=True)
         return await self._relay(request, creq, Decoded(leg, first, t0), t0)
 

@@ -7,6 +7,7 @@ The registry produces `Worker`s; the mesh combines them with health into a `Rout
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Mapping, Union
@@ -28,6 +29,7 @@ class Worker:
     host: str = field(init=False, compare=False)
     port: int = field(init=False, compare=False)
     tls: bool = field(init=False, compare=False)
+    auth: dict[str, str] = field(init=False, compare=False, repr=False)   # headers every call to it carries
 
     def __post_init__(self) -> None:
         from mesh.h1 import split_url
@@ -36,6 +38,9 @@ class Worker:
         object.__setattr__(self, "host", host)
         object.__setattr__(self, "port", port)
         object.__setattr__(self, "tls", tls)
+        env = getattr(self.record, "api_key_env", "")
+        key = os.environ.get(env, "") if env else ""
+        object.__setattr__(self, "auth", {"Authorization": f"Bearer {key}"} if key else {})
 
     def has(self, capability: str) -> bool:
         """PROTOCOL.md section 8: does the worker declare `capability`?"""

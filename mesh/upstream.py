@@ -101,6 +101,8 @@ class Leg:
         """POST `data`; return the first bytes of a 2xx answer (the whole body unless `stream`).
         On any failure the leg is closed and a mapped MeshError raised."""
         w, role = self.w, self.role
+        if w.auth:  # the worker's own upstream key wins over a forwarded client key
+            headers = {**headers, **w.auth}
         try:
             async with asyncio.timeout(first_byte):
                 self.resp = resp = await self.up.h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle)
@@ -188,7 +190,7 @@ class Upstream:
         try:
             async with asyncio.timeout(self.timeouts.release):
                 async with self.session.post(
-                        w.url + "/kv/release", headers=JSON_HEADERS, timeout=self.short,
+                        w.url + "/kv/release", headers={**JSON_HEADERS, **w.auth}, timeout=self.short,
                         data=orjson.dumps({"transfer_id": transfer_id, "reason": reason})) as r:
                     body = await r.read()
                     status = r.status
@@ -202,7 +204,8 @@ class Upstream:
         """The raw `GET /kv/held?since=SEQ` answer of a pipeline, None when it cannot be had."""
         try:
             async with asyncio.timeout(self.timeouts.release):
-                async with self.session.get(f"{w.url}/kv/held?since={since}", timeout=self.short) as r:
+                async with self.session.get(f"{w.url}/kv/held?since={since}", timeout=self.short,
+                                            headers=w.auth) as r:
                     if r.status != 200:
                         return None
                     return await r.read()

@@ -146,9 +146,12 @@ class Enrollment:
             if r.status == 200:
                 try:
                     load = orjson.loads(await r.read())
-                    return int(load.get("in_flight", 0)) + int(load.get("queued", 0))
-                except (orjson.JSONDecodeError, ValueError, AttributeError, TypeError):
-                    return None
+                except orjson.JSONDecodeError:
+                    load = None
+                # only this project's load report counts here: vLLM serves `/load` too, as
+                # `{"server_load": N}`, which is no count of running and waiting requests
+                if isinstance(load, dict) and type(load.get("in_flight")) is int:
+                    return int(load["in_flight"]) + int(load.get("queued", 0) or 0)
         async with s.get(f"{self.url}/metrics") as r:
             return engine_busy(await r.text()) if r.status == 200 else None
 
