@@ -56,11 +56,11 @@ vllm-venv: $(VLLM_VENV)/.stamp
 run: sysdeps $(VENV)/.stamp-run
 	$(BIN)/mesh demo
 
-test: sysdeps $(VENV)/.stamp-test
+test: sysdeps $(VENV)/.stamp-test $(VLLM_VENV)/.stamp
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.stamp-test
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

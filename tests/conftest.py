@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MESH_BIN = str(Path(sys.executable).parent / "mesh")
 
 
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """The real-vLLM module runs last: its engines keep a core busy while they live."""
+    items.sort(key=lambda it: it.nodeid.startswith("tests/test_vllm_real.py"))
+
+
 @dataclasses.dataclass
 class PD:
     """A running in-process mock fleet and mesh."""
