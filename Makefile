@@ -43,7 +43,7 @@ venv: $(VENV)/.stamp-test
 # torchvision/torchaudio/torchcodec come with it and break `import transformers` beside torch 2.13
 # CPU, so they go. Idempotent: the stamp skips all of it the second time.
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.stamp: Makefile
+$(VLLM_VENV)/.stamp:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q torch==2.13.0

@@ -351,13 +351,15 @@ def cmd_demo(a: argparse.Namespace) -> None:
     import tempfile
     from pathlib import Path
 
-    from workers.engine.checkpoint import generate, tiny_config
+    from workers.engine.checkpoint import generate, tiny_config, write_tokenizer
 
     run = Path(a.dir)
     ckpt = run / "tiny-llama"
-    if not (ckpt / "config.json").exists():
+    if not (ckpt / "tokenizer.json").exists():   # a checkpoint with a real tokenizer (older ones had none)
         print(f"generating a small checkpoint in {ckpt} ...", flush=True)
-        generate(ckpt, tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=4), seed=0)
+        vocab = write_tokenizer(ckpt, 4096)  # byte-level BPE trained on local text, with a chat template
+        generate(ckpt, tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, vocab_size=vocab,
+                                   bos_token_id=1, eos_token_id=2), seed=0)
     try:
         import mooncake.engine  # noqa: F401
         kv = "mooncake"

@@ -115,16 +115,21 @@ def upstream_key() -> Iterator[None]:
         os.environ[KEY_ENV] = old
 
 
-@pytest.fixture
-async def mesh(vllm_pair) -> AsyncIterator[str]:
-    """PD over the pair, each worker with the upstream key taken from the environment."""
-    spec = {"model": MODEL, "dialect": "vllm", "api_key_env": KEY_ENV}
-    cfg = MeshConfig(port=0, timeouts=Timeouts(prefill=60, decode_first_byte=60, decode_idle=60, release=5),
-                     prefill=(make_worker("prefill", {**spec, "url": vllm_pair["prefill"]}, 0),),
-                     decode=(make_worker("decode", {**spec, "url": vllm_pair["decode"]}, 0),))
-    runner = await start_site(create_app(cfg), "127.0.0.1", 0)
-    yield f"http://127.0.0.1:{bound_port(runner)}"
-    await runner.cleanup()
+@pytest.fixture(scope="module")
+def mesh(vllm_pair, tmp_path_factory) -> Iterator[str]:
+    """`mesh serve` from a TOML file: PD over the pair, each worker with the upstream key the mesh
+    reads from the environment variable the TOML names."""
+    toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
+    toml.write_text("\n".join([
+        "[mesh]", "health_interval = 1.0", "[mesh.timeouts]", "prefill = 60", "decode_first_byte = 60",
+        *[line for role in ("prefill", "decode") for line in (
+            f"[[{role}]]", f'id = "vllm-{role}"', f'url = "{vllm_pair[role]}"', f'model = "{MODEL}"',
+            'dialect = "vllm"', f'api_key_env = "{KEY_ENV}"')]]) + "\n")
+    m = Proc([MESH_BIN, "serve", "--port", "0", "--config", str(toml)], "mesh ", {KEY_ENV: KEY})
+    try:
+        yield m.lines[-1].split()[1]
+    finally:
+        assert m.stop() == 0
 
 
 async def metric(url: str, name: str) -> float:
