@@ -493,7 +493,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--dp-size", type=int, default=1,
                    help="--role prefill: data-parallel ranks behind the URL (ATOM's decode enrichment)")
     r.add_argument("--capability", action="append", choices=list(CAPABILITIES),
-                   help="repeatable: what the worker serves beyond OpenAI (docs/protocol: section 8); "
+                   help="repeatable: what the worker serves beyond OpenAI (docs/engines.md, Capabilities); "
                         "an external engine declares none unless its operator says so")
     r.add_argument("--api-key-env", metavar="VAR",
                    help="the engine needs an API key: each mesh sends Bearer $VAR (VAR set in the mesh's "

@@ -20,8 +20,6 @@ import aiohttp
 import openai
 import pytest
 
-from mesh.app import bound_port, create_app, start_site
-from mesh.config import MeshConfig, Timeouts, make_worker
 from tests.conftest import MESH_BIN, ROOT, Proc
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -115,17 +113,31 @@ def upstream_key() -> Iterator[None]:
         os.environ[KEY_ENV] = old
 
 
+def _serve(tmp_path_factory: Any, lines: list[str]) -> Proc:
+    toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
+    toml.write_text("\n".join(["[mesh]", "health_interval = 1.0", "[mesh.timeouts]", "prefill = 60",
+                               "decode_first_byte = 60", *lines]) + "\n")
+    return Proc([MESH_BIN, "serve", "--port", "0", "--config", str(toml)], "mesh ", {KEY_ENV: KEY})
+
+
 @pytest.fixture(scope="module")
 def mesh(vllm_pair, tmp_path_factory) -> Iterator[str]:
     """`mesh serve` from a TOML file: PD over the pair, each worker with the upstream key the mesh
     reads from the environment variable the TOML names."""
-    toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
-    toml.write_text("\n".join([
-        "[mesh]", "health_interval = 1.0", "[mesh.timeouts]", "prefill = 60", "decode_first_byte = 60",
-        *[line for role in ("prefill", "decode") for line in (
-            f"[[{role}]]", f'id = "vllm-{role}"', f'url = "{vllm_pair[role]}"', f'model = "{MODEL}"',
-            'dialect = "vllm"', f'api_key_env = "{KEY_ENV}"')]]) + "\n")
-    m = Proc([MESH_BIN, "serve", "--port", "0", "--config", str(toml)], "mesh ", {KEY_ENV: KEY})
+    m = _serve(tmp_path_factory, [line for role in ("prefill", "decode") for line in (
+        f"[[{role}]]", f'id = "vllm-{role}"', f'url = "{vllm_pair[role]}"', f'model = "{MODEL}"',
+        'dialect = "vllm"', f'api_key_env = "{KEY_ENV}"')])
+    try:
+        yield m.lines[-1].split()[1]
+    finally:
+        assert m.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def regular(vllm_pair, tmp_path_factory) -> Iterator[str]:
+    """`mesh serve` from a TOML file in regular mode over the producer engine."""
+    m = _serve(tmp_path_factory, ["[[worker]]", 'id = "vllm-alone"', f'url = "{vllm_pair["prefill"]}"',
+                                  f'model = "{MODEL}"', f'api_key_env = "{KEY_ENV}"'])
     try:
         yield m.lines[-1].split()[1]
     finally:
@@ -212,39 +224,34 @@ def assert_same(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
             assert len(g) == len(w) and all(abs(a - b) <= 1e-3 for a, b in zip(g, w)), (name, g, w)
 
 
-async def test_pd_through_the_mesh_equals_vllm_alone(vllm_pair, mesh):
-    alone, through = client(vllm_pair["prefill"], KEY), client(mesh)
+@pytest.mark.parametrize("mode", ["pd", "regular"])
+async def test_through_the_mesh_equals_vllm_alone(vllm_pair, mesh, regular, mode):
+    alone, through = client(vllm_pair["prefill"], KEY), client(mesh if mode == "pd" else regular)
     before = await metric(vllm_pair["decode"], "vllm:nixl_xfer_time_seconds_count")
     prompts = 0
     for name, kind, args, n in CASES:
         for stream in (False, True):
             want = await call(alone, kind, args, stream)
             got = await call(through, kind, args, stream)
-            assert_same(f"{name} stream={stream}", got, want)
+            assert_same(f"{name} stream={stream} {mode}", got, want)
             prompts += n
     after = await metric(vllm_pair["decode"], "vllm:nixl_xfer_time_seconds_count")
-    assert after - before == prompts   # one NIXL transfer per PD prompt: the decode pulled every one
+    # PD: one NIXL transfer per PD prompt (the decode pulled every one); regular: none
+    assert after - before == (prompts if mode == "pd" else 0)
     assert await metric(vllm_pair["decode"], "vllm:nixl_num_failed_transfers_total") == 0
     assert await metric(vllm_pair["decode"], "vllm:nixl_num_failed_notifications_total") == 0
 
 
-async def test_n_in_pd_and_in_regular_mode(vllm_pair, mesh):
+async def test_n_in_pd_and_in_regular_mode(vllm_pair, mesh, regular):
     alone = client(vllm_pair["prefill"], KEY)
     args = {"prompt": "several choices", "max_tokens": 6, "temperature": 0.8, "seed": 5, "n": 2}
     want = await call(alone, "c", args, False)
     assert_same("n in PD", await call(client(mesh), "c", args, False), want)
-    cfg = MeshConfig(port=0, timeouts=Timeouts(prefill=60, decode_first_byte=60, decode_idle=60, release=5),
-                     workers=(make_worker("worker", {"url": vllm_pair["prefill"], "model": MODEL,
-                                                     "api_key_env": KEY_ENV}, 0),))
-    runner = await start_site(create_app(cfg), "127.0.0.1", 0)
-    try:
-        url = f"http://127.0.0.1:{bound_port(runner)}"
-        assert_same("n regular", await call(client(url), "c", args, False), want)
+    assert_same("n regular", await call(client(regular), "c", args, False), want)
+    for url in (mesh, regular):
         async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
             card = (await r.json())["data"][0]
         assert card["id"] == MODEL and card["max_model_len"] == 1024 and card["root"]  # the engine's fields kept
-    finally:
-        await runner.cleanup()
 
 
 async def test_16_concurrent_mixed_requests(vllm_pair, mesh):
