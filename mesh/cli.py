@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 
 from mesh.admission import AdmissionConfig
 from mesh.config import MeshConfig, Timeouts, load_toml, workers_from
+from mesh.dialects import DIALECTS, SGLANG, VLLM_MOONCAKE
 from mesh.errors import ConfigError
 from mesh.etcd import EtcdConfig
 from mesh.protocol import CAPABILITIES
@@ -202,8 +203,8 @@ def cmd_register(a: argparse.Namespace) -> None:
                 raise ConfigError("--dp-size is for --role prefill")
             spec["dp_size"] = a.dp_size
         if a.bootstrap_port is not None:
-            if a.dialect != "sglang" or a.role != "prefill":
-                raise ConfigError("--bootstrap-port is for --role prefill --dialect sglang")
+            if a.dialect not in (SGLANG, VLLM_MOONCAKE) or a.role != "prefill":
+                raise ConfigError("--bootstrap-port is for --role prefill with --dialect sglang or vllm-mooncake")
             spec["bootstrap_port"] = a.bootstrap_port
         if a.role == "prefill":
             spec.update(pp_size=a.pp_size, stages=[s.encode() for s in stages])
@@ -504,10 +505,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--num-blocks", type=int, default=0)
     r.add_argument("--kv-backend", default="zmq")
-    r.add_argument("--dialect", default="atom", choices=["atom", "vllm", "sglang"],
+    r.add_argument("--dialect", default="atom", choices=list(DIALECTS),
                    help="how the mesh drives this worker's PD legs (docs/engines.md)")
-    r.add_argument("--bootstrap-port", type=int, help="--dialect sglang, prefill: the engine's bootstrap port "
-                   "(its --disaggregation-bootstrap-port; default 8998)")
+    r.add_argument("--bootstrap-port", type=int, help="--dialect sglang or vllm-mooncake, prefill: the engine's "
+                   "bootstrap port (SGLang's --disaggregation-bootstrap-port, vLLM's "
+                   "VLLM_MOONCAKE_BOOTSTRAP_PORT; default 8998)")
     r.add_argument("--ttl", type=int, default=10)
     r.add_argument("--health-path", help="probe URL+PATH; withdraw the worker while it fails")
     r.add_argument("--health-interval", type=float, default=2.0)

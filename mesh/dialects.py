@@ -6,7 +6,7 @@ and a prefill pipeline is paired only with decode engines of its own dialect.
 - `atom` (native, PROTOCOL.md sections 4-5): prefill first with the decode's address in
   `kv_transfer_params`; the prefill's answer params go verbatim to the decode; the KV is
   tracked by the mesh's ledger and released by the consumer (or reclaimed by the mesh).
-- `vllm` (vLLM's NIXL and Mooncake connectors, as their disaggregated proxy drives them):
+- `vllm` (vLLM's NIXL connector, as its disaggregated proxy drives it):
   prefill first with `kv_transfer_params = {do_remote_decode: true, ...nulls}`, `max_tokens=1`,
   no stream; the decode gets the client's body with the prefill's returned `kv_transfer_params`
   (`do_remote_prefill`, `remote_engine_id`, `remote_block_ids`, `remote_host`, `remote_port`, ...)
@@ -16,6 +16,9 @@ and a prefill pipeline is paired only with decode engines of its own dialect.
   bootstrap server) and a random `bootstrap_room` added to the client's body, sent to the
   prefill and the decode at once; the decode's answer is the client's (streamed or not). The
   engines rendezvous on the room and free the KV themselves (engine-managed KV).
+- `vllm-mooncake` (vLLM's MooncakeConnector, as ATOM's router and vLLM's Mooncake proxy drive it):
+  a `transfer_id` minted by the mesh on both legs; the decode also gets the prefill's bootstrap
+  address and its engine id, read from the prefill's bootstrap server (`GET /query`).
 
 The per-dialect steps are `mesh.flows` (one `Flow` each); this module holds the names.
 """
@@ -29,8 +32,10 @@ from mesh.errors import ProtocolError
 ATOM = "atom"
 VLLM = "vllm"
 SGLANG = "sglang"
-DIALECTS = (ATOM, VLLM, SGLANG)
-DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
+VLLM_MOONCAKE = "vllm-mooncake"
+DIALECTS = (ATOM, VLLM, SGLANG, VLLM_MOONCAKE)
+# SGLang's default --disaggregation-bootstrap-port and vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT
+DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 def check_dialect(value: Any, where: str = "dialect") -> str:

@@ -14,6 +14,10 @@ before the client's first byte) is written once, in `mesh.proxy`.
   the same params (else the request is re-paired with a new prefill).
 - `fanout`: list prompts and `n` > 1 are split into one PD pair per (prompt, choice) and merged
   back (`mesh.fanout`); otherwise they go to the engines as they came (`batch`).
+- `rendezvous`: the hand-off needs the prefill's bootstrap answer (`Bootstrap`, read and cached by
+  `mesh.upstream`), given to `handoff` and `drain_body` as `ctx`.
+- `drain_on(err)`: whether a decode leg that ended with `err` (None: never sent) leaves the
+  transfer unread, so that a drain is due (and safe: a drain on a spent transfer can wait long).
 
 Pure: no I/O here.
 """
@@ -25,8 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mesh.dialects import ATOM, DEFAULT_BOOTSTRAP_PORT, SGLANG, VLLM, one_token
-from mesh.errors import InvalidRequest, ProtocolError
+from mesh.dialects import ATOM, DEFAULT_BOOTSTRAP_PORT, SGLANG, VLLM, VLLM_MOONCAKE, one_token
+from mesh.errors import InvalidRequest, ProtocolError, UpstreamClientError, UpstreamError
 from mesh.protocol import FIRST_TOKEN_EARLY, HOLDER_API, KVRequestParams
 from mesh.request import ClientRequest
 from mesh.snapshot import Worker
@@ -40,6 +44,13 @@ class Handoff:
     blocks: int = 0
     first_token_id: int | None = None
     early: bool = False             # the mesh sends the role chunk and token 0 before the decode leg
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """A vLLM Mooncake prefill's bootstrap server and what its `GET /query` said: engine id per DP rank."""
+    addr: str
+    engine_ids: dict[int, str]
 
 
 def _scalar(v: Any) -> bool:
@@ -57,6 +68,7 @@ class Flow:
     fanout = True
     drains = False        # an untracked orphan is freed by a drain leg (`drain_body`)
     drop: tuple[str, ...] = ()   # client fields kept off the prefill leg
+    rendezvous = False    # the hand-off needs the prefill's bootstrap answer (vllm-mooncake)
 
     def tracked(self, pipeline: Worker) -> bool:
         return False
@@ -65,11 +77,14 @@ class Flow:
         raise NotImplementedError
 
     def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
-                early_ok: bool) -> Handoff:
+                early_ok: bool, sent: dict[str, Any] | None = None, ctx: Bootstrap | None = None) -> Handoff:
         raise NotImplementedError
 
-    def drain_body(self, creq: ClientRequest, h: Handoff) -> dict[str, Any] | None:
+    def drain_body(self, creq: ClientRequest, h: Handoff, ctx: Bootstrap | None = None) -> dict[str, Any] | None:
         return None
+
+    def drain_on(self, err: BaseException | None) -> bool:
+        return True
 
     def check(self, creq: ClientRequest) -> None:
         """Refuse what this flow cannot serve (a clear 400), before any leg is sent."""
@@ -106,7 +121,7 @@ class AtomFlow(Flow):
         return _stop_as_list(out)
 
     def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
-                early_ok: bool) -> Handoff:
+                early_ok: bool, sent: dict[str, Any] | None = None, ctx: Bootstrap | None = None) -> Handoff:
         raw = answer.get("kv_transfer_params")
         if not isinstance(raw, dict):
             raise ProtocolError("the prefill answer has no kv_transfer_params object", param="kv_transfer_params")
@@ -144,7 +159,7 @@ class AtomFlow(Flow):
         body["kv_transfer_params"] = params
         return Handoff(body, params, str(tid), len(ids), ft, early)
 
-    def drain_body(self, creq: ClientRequest, h: Handoff) -> dict[str, Any] | None:
+    def drain_body(self, creq: ClientRequest, h: Handoff, ctx: Bootstrap | None = None) -> dict[str, Any] | None:
         out = _stop_as_list(self._one_token(creq.body))
         out["kv_transfer_params"] = {k: v for k, v in h.params.items()
                                      if k not in ("response_meta", "first_token_early")}
@@ -169,7 +184,7 @@ class VllmFlow(Flow):
         return out
 
     def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
-                early_ok: bool) -> Handoff:
+                early_ok: bool, sent: dict[str, Any] | None = None, ctx: Bootstrap | None = None) -> Handoff:
         raw = answer.get("kv_transfer_params")
         if not isinstance(raw, dict):
             raise ProtocolError("the prefill answer has no kv_transfer_params object", param="kv_transfer_params")
@@ -181,6 +196,88 @@ class VllmFlow(Flow):
         body = dict(creq.body)
         body["kv_transfer_params"] = raw
         return Handoff(body, raw)
+
+
+class VllmMooncakeFlow(Flow):
+    """vLLM with its MooncakeConnector (vllm 0.32 `distributed/kv_transfer/kv_connector/v1/mooncake/
+    mooncake_connector.py`; the router side as ROCm/ATOM `atom/mesh/src/core/placement/backend/
+    vllm.rs` drives it): a router-minted `transfer_id` on both legs; the decode also gets
+    `remote_bootstrap_addr` and `remote_engine_id` (the prefill's `GET {bootstrap}/query` answer for
+    its DP rank). The reference proxies send both legs at once; the connector also serves the prefill
+    first (its producer keeps a finished request's blocks for `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`,
+    480 s, until a consumer pulls them), and the mesh does so: sent at once, a decode whose prefill
+    failed waits up to 480 s on the producer and keeps its blocks that long (measured on vLLM 0.32
+    CPU), while prefill-first sends no decode for a failed prefill. The prefill answers no params.
+    A transfer is unread when its decode leg was never sent, refused (4xx), failed to connect, or
+    answered 5xx (a pull that failed, e.g. on a stale engine id): then a one-token decode leg with a
+    freshly read engine id drains it. A decode that was cut or timed out may still be pulling, and
+    vLLM frees the producer when it aborts, so it is left alone (a drain on a spent transfer would
+    wait on the producer for 480 s)."""
+
+    dialect = VLLM_MOONCAKE
+    retry_decode = False
+    drains = True
+    rendezvous = True
+    drop = ("min_tokens", "min_completion_tokens")
+
+    def prefill_body(self, creq: ClientRequest, pw: Worker, dw: Worker, mesh_id: str) -> dict[str, Any]:
+        out = self._one_token(creq.body)
+        out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                     "transfer_id": f"xfer-{secrets.token_hex(16)}"}
+        return out
+
+    def handoff(self, creq: ClientRequest, pw: Worker, dw: Worker, answer: dict[str, Any],
+                early_ok: bool, sent: dict[str, Any] | None = None, ctx: Bootstrap | None = None) -> Handoff:
+        assert sent is not None and ctx is not None, "the proxy gives a rendezvous flow its prefill body and ctx"
+        tid = sent["kv_transfer_params"]["transfer_id"]
+        params = {"do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": ctx.addr,
+                  "remote_engine_id": engine_id(ctx, pw), "transfer_id": tid}
+        body = dict(creq.body)
+        body["kv_transfer_params"] = params
+        return Handoff(body, params, tid)
+
+    def drain_body(self, creq: ClientRequest, h: Handoff, ctx: Bootstrap | None = None) -> dict[str, Any] | None:
+        out = self._one_token(creq.body)
+        params = dict(h.params)
+        if ctx is not None:  # the engine id read again: a stale one is why a decode may have failed
+            params["remote_engine_id"] = engine_id(ctx, None, params["remote_engine_id"])
+        out["kv_transfer_params"] = params
+        return out
+
+    def drain_on(self, err: BaseException | None) -> bool:
+        if err is None or isinstance(err, UpstreamClientError):
+            return True
+        return isinstance(err, UpstreamError) and not err.may_hold_kv  # no connection, or a 5xx answer
+
+
+def bootstrap_addr(pw: Worker) -> str:
+    """`http://host:port` of a prefill's bootstrap server (record `bootstrap_host`/`bootstrap_port`)."""
+    extra = pw.record.extra
+    host = bracket_host(str(extra.get("bootstrap_host") or pw.host))
+    return f"http://{host}:{int(extra.get('bootstrap_port', DEFAULT_BOOTSTRAP_PORT))}"
+
+
+def engine_id(ctx: Bootstrap, pw: Worker | None, default: str | None = None) -> str:
+    """The engine id of the prefill's DP rank (record `dp_rank`, default 0) in its bootstrap answer."""
+    rank = int(pw.record.extra.get("dp_rank", 0)) if pw is not None else min(ctx.engine_ids)
+    eid = ctx.engine_ids.get(rank, default)
+    if eid is None:
+        raise ProtocolError(f"bootstrap {ctx.addr}/query names no engine for dp_rank {rank}", param="dp_rank")
+    return eid
+
+
+def parse_bootstrap(addr: str, data: Any) -> Bootstrap:
+    """Validate a `GET /query` answer (vllm `mooncake_utils.py` MooncakeBootstrapServer.query:
+    `{"<dp_rank>": {"engine_id": str, "worker_addr": {...}}}`)."""
+    if not isinstance(data, dict) or not data:
+        raise ProtocolError(f"bootstrap {addr}/query answered no engines")
+    out: dict[int, str] = {}
+    for rank, entry in data.items():
+        eid = entry.get("engine_id") if isinstance(entry, dict) else None
+        if not (isinstance(rank, str) and rank.isdigit()) or not isinstance(eid, str) or not eid:
+            raise ProtocolError(f"bootstrap {addr}/query: bad entry for dp_rank {rank!r}")
+        out[int(rank)] = eid
+    return Bootstrap(addr, out)
 
 
 class SglangFlow(Flow):
@@ -244,4 +341,4 @@ def _stop_as_list(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-FLOWS: dict[str, Flow] = {f.dialect: f for f in (AtomFlow(), VllmFlow(), SglangFlow())}
+FLOWS: dict[str, Flow] = {f.dialect: f for f in (AtomFlow(), VllmFlow(), SglangFlow(), VllmMooncakeFlow())}

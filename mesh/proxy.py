@@ -38,7 +38,7 @@ from mesh.errors import (KVSourceLost, MeshError, ModelNotFound, NoWorker, Proto
                          UpstreamTimeout)
 from mesh.fanout import Merge, Part, needs_split, split
 from mesh.fleet import Fleet
-from mesh.flows import FLOWS, Flow, Handoff
+from mesh.flows import FLOWS, Bootstrap, Flow, Handoff
 from mesh.ledger import UNTRACKED, Ledger
 from mesh.metrics import Metrics
 from mesh.request import ClientRequest
@@ -217,11 +217,17 @@ class Proxy:
         tracked = flow.tracked(pw)
         drains = flow.drains and not tracked
         ledger = self.ledger if tracked else UNTRACKED
+        ctx = None
+        if flow.rendezvous:
+            try:
+                ctx = await self.up.bootstrap(pw)
+            except MeshError as err:
+                raise RePair(err, pipeline=pw) from None
         e = ledger.begin(creq.request_id, pw)
         headers = self._headers(request, creq)
         span, ph = self._span("prefill", creq, pw, headers)
-        call = self.up.open("prefill", pw).json(creq.path, flow.prefill_body(creq, pw, dw, self.mesh_id), ph,
-                                                self.cfg.timeouts.prefill)
+        pbody = flow.prefill_body(creq, pw, dw, self.mesh_id)
+        call = self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill)
         # an engine without a release API keeps what a cut prefill held: let it finish, then drain
         job = asyncio.ensure_future(call) if drains else None
         try:
@@ -237,12 +243,12 @@ class Proxy:
             self._end(span, err)
             ledger.prefill_failed(e, uncertain=True)
             if job is not None:
-                self.bg.spawn(self._drain_after(job, flow, creq, pw, dw))
+                self.bg.spawn(self._drain_after(job, flow, creq, pw, dw, pbody, ctx))
             raise
         t1 = asyncio.get_running_loop().time()
         self.metrics.leg("prefill", t1 - t0)
         try:
-            h = flow.handoff(creq, pw, dw, pres, allow_early and self.cfg.first_token_early)
+            h = flow.handoff(creq, pw, dw, pres, allow_early and self.cfg.first_token_early, pbody, ctx)
         except ProtocolError as err:
             raw = pres.get("kv_transfer_params")
             tid = raw.get("transfer_id") if isinstance(raw, dict) else None
@@ -274,21 +280,25 @@ class Proxy:
             self._end(span, err)
             if tracked:
                 self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
-            elif drains:
+            elif drains and flow.drain_on(err):
                 self.bg.spawn(self._drain(flow, creq, pw, h, None))
             raise
         except Exception as err:
             self._end(span, err)
+            if flow.rendezvous:  # a stale engine id fails the pull: read it again next time
+                self.up.forget_bootstrap(pw)
             if tracked:  # freed before the client hears of the failure
                 await ledger.reclaim(e, "decode-failed")
-            elif drains:
+            elif drains and flow.drain_on(err):
                 self.bg.spawn(self._drain(flow, creq, pw, h, dw))
             if isinstance(err, KVSourceLost):  # the pipeline, not the decode engine, is at fault
                 self.up.failed("prefill", pw, "kv_source")
                 if early is None:
                     raise RePair(err, pipeline=pw) from None
             elif early is None and not flow.retry_decode and isinstance(err, (UpstreamError, UpstreamTimeout)):
-                raise RePair(err, decode=dw) from None  # params are spent: a new prefill
+                # params are spent: a new prefill (where the pull may have failed on the prefill's
+                # side, e.g. a stale engine id, the decode engine is not blamed)
+                raise RePair(err, decode=None if flow.rendezvous else dw) from None
             if early is None:
                 raise
             if isinstance(err, MeshError):  # the stream has begun: end it with an error event
@@ -348,12 +358,12 @@ class Proxy:
     # -- orphans on engines without a release API --------------------------------------------
 
     async def _drain_after(self, job: asyncio.Future[dict[str, Any]], flow: Flow, creq: ClientRequest,
-                           pw: Worker, dw: Worker) -> None:
+                           pw: Worker, dw: Worker, sent: dict[str, Any], ctx: Bootstrap | None) -> None:
         """The client left during the prefill: let it finish (bounded by the prefill timeout), then
         drain what it holds."""
         try:
             pres = await job
-            h = flow.handoff(creq, pw, dw, pres, False)
+            h = flow.handoff(creq, pw, dw, pres, False, sent, ctx)
         except (MeshError, asyncio.CancelledError):
             return  # it failed: it holds nothing the mesh can name
         await self._drain(flow, creq, pw, h, None)
@@ -361,10 +371,18 @@ class Proxy:
     async def _drain(self, flow: Flow, creq: ClientRequest, pw: Worker, h: Handoff, avoid: Worker | None) -> None:
         """Free an orphaned transfer: a one-token decode leg on the prefill's params, its answer
         discarded, so the engine's consumer-driven release frees the producer."""
-        body = flow.drain_body(creq, h)
-        if body is None or not h.key:
+        if not h.key:
             return
         e = self.ledger.orphan(creq.request_id, pw, h.key, h.blocks)
+        try:
+            body = flow.drain_body(creq, h, await self.up.bootstrap(pw, fresh=True) if flow.rendezvous else None)
+        except MeshError as err:
+            self.metrics.drain("failed")
+            self.ledger.unreclaimable(e, err.message)
+            return
+        if body is None:
+            self.ledger.unreclaimable(e, f"the {flow.dialect} flow has no drain leg")
+            return
         data = orjson.dumps(body)
         headers = {"Content-Type": "application/json", "X-Request-Id": f"{creq.request_id}-drain"}
         cands = [w for w in self.fleet.table.candidates("decode", creq.model, flow.dialect) if w != avoid]

@@ -1,5 +1,5 @@
 """Calls to workers: the hot legs through `Leg` (the one door, over the lean keep-alive client
-`mesh/h1.py`), the rest (releases, held listings) over the app's one pooled aiohttp `ClientSession`.
+`mesh/h1.py`), the rest (releases, held listings, vLLM Mooncake bootstrap queries) over the app's one pooled aiohttp `ClientSession`.
 
 A leg counts itself in the fleet's in-flight dict, reports failures to the fleet's passive health
 check and to the metrics, and maps transport failures onto the mesh's exception tree: a timeout is
@@ -10,19 +10,23 @@ check and to the metrics, and maps transport failures onto the mesh's exception 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
 import orjson
 
 from mesh.config import Timeouts
-from mesh.errors import KVSourceLost, MeshError, UpstreamClientError, UpstreamError, UpstreamTimeout, error_body
+from mesh.errors import (KVSourceLost, MeshError, ProtocolError, UpstreamClientError, UpstreamError, UpstreamTimeout,
+                         error_body)
 from mesh.fleet import Fleet
+from mesh.flows import Bootstrap, bootstrap_addr, parse_bootstrap
 from mesh.h1 import H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
 from mesh.snapshot import Worker
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+BOOTSTRAP_TTL = 5.0  # seconds a prefill's engine ids are trusted before being read again
 
 
 def upstream_status_error(leg: str, w: Worker, status: int, body: bytes) -> MeshError:
@@ -158,6 +162,7 @@ class Upstream:
         self.h1 = H1Pool(connect_timeout=timeouts.connect)  # the hot legs
         # connect bound by aiohttp; whole-call bounds by asyncio.timeout around the call
         self.short = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
+        self._bootstrap: dict[str, tuple[float, Bootstrap]] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -199,6 +204,35 @@ class Upstream:
             out = None
         self.metrics.release_sent(reason, {True: "freed", False: "already_free", None: "failed"}[out])
         return out
+
+    async def bootstrap(self, w: Worker, fresh: bool = False) -> Bootstrap:
+        """A vLLM Mooncake prefill's bootstrap answer (`GET {bootstrap}/query`), cached for
+        BOOTSTRAP_TTL seconds (an engine id changes when the engine restarts); `fresh` asks again.
+        An answer that cannot be had is the pipeline's failure: UpstreamError, holding nothing."""
+        now = time.monotonic()
+        hit = self._bootstrap.get(w.id)
+        if hit is not None and not fresh and now - hit[0] < BOOTSTRAP_TTL:
+            return hit[1]
+        addr = bootstrap_addr(w)
+        try:
+            async with asyncio.timeout(self.timeouts.release):
+                async with self.session.get(addr + "/query", timeout=self.short) as r:
+                    body = await r.read()
+                    status = r.status
+            if status != 200:
+                raise ProtocolError(f"bootstrap {addr}/query answered {status}")
+            out = parse_bootstrap(addr, orjson.loads(body))
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ProtocolError) as e:
+            self._bootstrap.pop(w.id, None)
+            self.failed("prefill", w, "bootstrap")
+            msg = e.message if isinstance(e, ProtocolError) else f"{e.__class__.__name__}: {e}"
+            raise UpstreamError(f"prefill worker {w.id}: its bootstrap server could not be read: {msg}",
+                                may_hold_kv=False) from None
+        self._bootstrap[w.id] = (now, out)
+        return out
+
+    def forget_bootstrap(self, w: Worker) -> None:
+        self._bootstrap.pop(w.id, None)
 
     async def get_held(self, w: Worker, since: int) -> bytes | None:
         """The raw `GET /kv/held?since=SEQ` answer of a pipeline, None when it cannot be had."""

@@ -24,8 +24,10 @@ MESH_BIN = str(Path(sys.executable).parent / "mesh")
 
 
 def pytest_collection_modifyitems(items: list[Any]) -> None:
-    """The real-vLLM module runs last: its engines keep a core busy while they live."""
-    items.sort(key=lambda it: it.nodeid.startswith("tests/test_vllm_real.py"))
+    """The real-vLLM modules run last, one after the other: their engines keep a core busy while
+    they live, and each module's pair is stopped before the next one starts."""
+    last = ("tests/test_vllm_real.py", "tests/test_vllm_mooncake.py")
+    items.sort(key=lambda it: next((i + 1 for i, m in enumerate(last) if it.nodeid.startswith(m)), 0))
 
 
 @dataclasses.dataclass

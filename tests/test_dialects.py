@@ -213,7 +213,8 @@ def test_register_cli_checks_dialect_options():
             "--model", "m"]
     p = subprocess.run(base + ["--dialect", "vllm", "--bootstrap-port", "8998"], capture_output=True, text=True,
                        timeout=60)
-    assert p.returncode != 0 and "--bootstrap-port is for --role prefill --dialect sglang" in p.stderr
+    assert p.returncode != 0 and "--bootstrap-port is for --role prefill with --dialect sglang or vllm-mooncake" \
+        in p.stderr
     assert "Traceback" not in p.stderr
     q = subprocess.run(base + ["--dialect", "nope"], capture_output=True, text=True, timeout=60)
     assert q.returncode == 2 and "invalid choice: 'nope'" in q.stderr
@@ -271,3 +272,40 @@ async def test_vllm_prefill_without_kv_transfer_params_names_the_field(make_pd, 
         assert r.status == 502
         err = (await r.json())["error"]
     assert "kv_transfer_params" in err["message"] and pd.fleet.decodes[0].requests == 0
+
+
+def test_vllm_mooncake_legs_and_bootstrap_answers():
+    """The `vllm-mooncake` bodies as vllm 0.32 `mooncake_connector.py` reads them (the real pair is
+    tests/test_vllm_mooncake.py); `GET /query` answers validated before they name an engine."""
+    from mesh.errors import ProtocolError, UpstreamClientError, UpstreamError, UpstreamTimeout
+    from mesh.flows import FLOWS, parse_bootstrap
+    from mesh.request import Limits, parse
+
+    flow = FLOWS["vllm-mooncake"]
+    pw = make_worker("prefill", {"url": "http://[::1]:8100", "model": "m", "dialect": "vllm-mooncake",
+                                 "bootstrap_port": 9000, "dp_rank": 1}, 0)
+    dw = make_worker("decode", {"url": "http://127.0.0.1:8200", "model": "m", "dialect": "vllm-mooncake"}, 0)
+    creq = parse("completions", orjson.dumps({"model": "m", "prompt": "p", "max_tokens": 9, "min_tokens": 3, "stream": True,
+                                              "stream_options": {"include_usage": True}}), Limits())
+    pre = flow.prefill_body(creq, pw, dw, "mesh")
+    tid = pre["kv_transfer_params"]["transfer_id"]
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "min_tokens" not in pre and "stream_options" not in pre
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+    assert tid != flow.prefill_body(creq, pw, dw, "mesh")["kv_transfer_params"]["transfer_id"]
+    ctx = parse_bootstrap("http://[::1]:9000", {"0": {"engine_id": "e0", "worker_addr": {}},
+                                                "1": {"engine_id": "e1", "worker_addr": {"0": {"0": "tcp://x:1"}}}})
+    h = flow.handoff(creq, pw, dw, {"choices": [{"text": "x"}]}, False, pre, ctx)
+    assert h.decode_body["max_tokens"] == 9 and h.decode_body["min_tokens"] == 3 and h.decode_body["stream"] is True
+    assert h.params == {"do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": "http://[::1]:9000",
+                        "remote_engine_id": "e1", "transfer_id": tid} and h.key == tid
+    drain = flow.drain_body(creq, h, parse_bootstrap("b", {"1": {"engine_id": "e1-restarted"}}))
+    assert drain["max_tokens"] == 1 and drain["kv_transfer_params"]["remote_engine_id"] == "e1-restarted"
+    assert drain["kv_transfer_params"]["transfer_id"] == tid
+    # a drain only where the decode surely never read the transfer
+    assert flow.drain_on(None) and flow.drain_on(UpstreamClientError(400, b"{}", "refused"))
+    assert flow.drain_on(UpstreamError("5xx", may_hold_kv=False))
+    assert not flow.drain_on(UpstreamError("cut mid-answer")) and not flow.drain_on(UpstreamTimeout("slow"))
+    assert not flow.drain_on(asyncio.CancelledError())
+    for bad in ([], {}, {"x": {"engine_id": "e"}}, {"0": {"engine_id": 5}}, {"0": "e"}, {"0": {}}):
+        with pytest.raises(ProtocolError):
+            parse_bootstrap("b", bad)

@@ -8,6 +8,8 @@ busy while it lives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -23,6 +25,9 @@ import pytest
 from tests.conftest import MESH_BIN, ROOT, Proc
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+# vLLM 0.32's MooncakeConnector worker asks `torch.accelerator.current_device_index()`, which raises
+# on a machine without an accelerator; this sitecustomize answers 0 there (docs/engines.md)
+CPU_SHIM = ROOT / "tests" / "vllm_cpu"
 KEY = "vllm-test-key-0123456789"
 KEY_ENV = "ATOMESH_TEST_VLLM_KEY"
 MODEL = "tiny-vllm"
@@ -41,20 +46,26 @@ def free_port() -> int:
 class Engine:
     """One `vllm` OpenAI server we started; stopped by its pid (its engine core is its child)."""
 
-    def __init__(self, ckpt: Path, role: str, core: int, log: Path) -> None:
+    def __init__(self, ckpt: Path, role: str, core: int, log: Path, connector: str = "nixl") -> None:
         self.port, self.side = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side),
-               "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false"}
+               "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)
+        if connector == "nixl":
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side)
+            kv = {"kv_connector": "NixlConnector", "kv_role": f"kv_{role}", "kv_buffer_device": "cpu"}
+        else:  # vLLM's MooncakeConnector over Mooncake's TCP transport; `side` is its bootstrap port
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.side)
+            env["PYTHONPATH"] = str(CPU_SHIM)
+            kv = {"kv_connector": "MooncakeConnector", "kv_role": f"kv_{role}",
+                  "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
         self.log = log.open("w")
         self.p = subprocess.Popen(
             [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
              "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
              "--max-model-len", "1024", "--dtype", "float32", "--api-key", KEY,
-             "--kv-transfer-config",
-             f'{{"kv_connector":"NixlConnector","kv_role":"kv_{role}","kv_buffer_device":"cpu"}}'],
+             "--kv-transfer-config", json.dumps(kv)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ckpt.parent), start_new_session=True)
 
     def wait_ready(self, timeout: float = 400) -> None:
@@ -92,11 +103,20 @@ def vllm_pair(tmp_path_factory) -> Iterator[dict[str, Any]]:
     ckpt = d / MODEL
     write_tokenizer(ckpt, 4096)
     generate(ckpt, vllm_tiny_config(), seed=3)
-    engines = [Engine(ckpt, "producer", 0, d / "producer.log"), Engine(ckpt, "consumer", 1, d / "consumer.log")]
+    with engine_pair(ckpt, d, "nixl") as pair:
+        yield pair
+
+
+@contextlib.contextmanager
+def engine_pair(ckpt: Path, d: Path, connector: str) -> Iterator[dict[str, Any]]:
+    """A producer on core 0 and a consumer on core 1, stopped by pid when the block ends."""
+    engines = [Engine(ckpt, "producer", 0, d / f"producer-{connector}.log", connector),
+               Engine(ckpt, "consumer", 1, d / f"consumer-{connector}.log", connector)]
     try:
         for e in engines:
             e.wait_ready()
-        yield {"prefill": engines[0].url, "decode": engines[1].url, "ckpt": ckpt}
+        yield {"prefill": engines[0].url, "decode": engines[1].url, "ckpt": ckpt, "bootstrap_port": engines[0].side,
+               "logs": [Path(e.log.name) for e in engines]}
     finally:
         for e in engines:
             e.stop()
