@@ -198,7 +198,7 @@ def readiness(st: MeshState) -> dict[str, Any]:
     else:
         servable = [m for m in table.models if table.candidates("worker", m)]
     return {"ready": bool(servable), "models": servable, "healthy": st.fleet.healthy_counts(),
-            "registry_stale": st.fleet.registry.stale}
+            "registry_stale": st.fleet.registry.stale, "kv_unaccounted": dict(st.fleet.kv_unaccounted)}
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -221,7 +221,7 @@ async def workers(request: web.Request) -> web.Response:
         load = fl.loads.get(w.id)
         rows.append({"id": w.id, "role": w.role, "url": w.url, "model": w.model,
                      "healthy": fl.healthy(w.id), "draining": w.record.draining,
-                     "in_flight": fl.in_flight.get(w.id, 0),
+                     "in_flight": fl.in_flight.get(w.id, 0), "kv_unaccounted": fl.kv_unaccounted.get(w.id, 0),
                      "load": load.encode() if load else None, "record": w.record.encode()})
     return json_response({"mesh_id": st.mesh_id, "mode": "pd" if st.cfg.pd else "regular",
                           "workers": rows})
@@ -310,11 +310,11 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                 retain(w.id for w in table.all_workers if w.role == role)
 
     fleet = Fleet(registry, unhealthy_after=cfg.unhealthy_after, breaker_open_s=cfg.breaker_open_s,
-                  on_rebuild=on_rebuild)
+                  on_rebuild=on_rebuild, kv_leak_after=cfg.kv_leak_after)
     ledger: Ledger  # the metrics read its gauges; bound below, before anything runs
     metrics_ = Metrics(fleet.in_flight_rows,
                        lambda: (registry.stale, getattr(registry, "watch_restarts", 0)),  # type: ignore[union-attr]
-                       lambda: ledger.gauge_rows())
+                       lambda: ledger.gauge_rows(), lambda: fleet.kv_unaccounted.items())
     mesh_id = mesh_id or cfg.mesh_id or (f"mesh-{socket.gethostname()}-{cfg.port}" if cfg.port
                                          else f"mesh-{os.urandom(4).hex()}")
     upstream = Upstream(fleet, metrics_, cfg.timeouts)

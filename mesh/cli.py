@@ -105,6 +105,7 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
             unhealthy_after=m.get("unhealthy_after", 2), timeouts=to, limits=lim,
             mesh_id=pick(a.mesh_id, "mesh_id", ""), ledger_grace=pick(a.ledger_grace, "ledger_grace", 5.0),
             ledger_interval=pick(a.ledger_interval, "ledger_interval", 0.5),
+            kv_leak_after=pick(a.kv_leak_after, "kv_leak_after", 120.0),
             first_token_early=not a.no_first_token_early and m.get("first_token_early", True),
             admission=AdmissionConfig(max_concurrency=pick(a.max_concurrency, "max_concurrency", 0),
                                       max_queue=pick(a.max_queue, "max_queue", 256),
@@ -442,6 +443,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--health-interval", type=float)
     s.add_argument("--mesh-id", help="stable id of this replica (KV adoption after a restart); "
                    "default mesh-<hostname>-<port>")
+    s.add_argument("--kv-leak-after", type=float, help="seconds a worker's KV census may leave blocks "
+                   "unaccounted before the leak alarm takes it out of routing (default 120, the holder TTL)")
     s.add_argument("--ledger-grace", type=float, help="seconds a transfer may stay held after decode (default 5)")
     s.add_argument("--ledger-interval", type=float, help="seconds between /kv/held reconciliations (default 0.5)")
     s.add_argument("--max-concurrency", type=int, help="requests served at once (0: no limit); more wait")

@@ -85,6 +85,7 @@ class MeshConfig:
     mesh_id: str = ""                          # stable across restarts (adoption of held KV); default host+port
     ledger_grace: float = 5.0                  # a transfer still held this long after decode is reclaimed
     ledger_interval: float = 0.5               # reconciliation with the pipelines' /kv/held
+    kv_leak_after: float = 120.0               # blocks a worker's census leaves unaccounted this long: leak alarm
     first_token_early: bool = True             # PD streams: send the prefill's token before decode starts
     admission: AdmissionConfig = AdmissionConfig()
     api_keys: tuple[str, ...] = ()             # set: /v1/* needs `Authorization: Bearer <one of them>`
@@ -105,8 +106,8 @@ class MeshConfig:
             raise ConfigError("workers (regular mode) and prefill/decode (PD mode) are exclusive")
         if self.etcd is not None and (self.prefill or self.decode or self.workers):
             raise ConfigError("with etcd the workers come from the registry: drop the worker flags")
-        if self.ledger_grace <= 0 or self.ledger_interval <= 0:
-            raise ConfigError("ledger_grace and ledger_interval must be > 0")
+        if self.ledger_grace <= 0 or self.ledger_interval <= 0 or self.kv_leak_after <= 0:
+            raise ConfigError("ledger_grace, ledger_interval and kv_leak_after must be > 0")
         if any(len(k) < 16 for k in self.api_keys):
             raise ConfigError("api keys must be at least 16 characters")
         if self.admin_token is not None and len(self.admin_token) < 16:

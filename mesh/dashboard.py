@@ -49,7 +49,8 @@ async function tick() {
     if (w.error) throw new Error(w.error.message);
     document.getElementById("meta").textContent = w.mesh_id + " - " + w.mode.toUpperCase() + " mode - " +
       w.workers.length + " workers";
-    const health = x => x.healthy ? '<span class="ok">healthy</span>' : '<span class="bad">unhealthy</span>';
+    const health = x => x.kv_unaccounted ? '<span class="bad">KV leak: ' + x.kv_unaccounted + ' blocks unaccounted</span>'
+      : x.healthy ? '<span class="ok">healthy</span>' : '<span class="bad">unhealthy</span>';
     table("prefill", ["id", "model", "stages (layers)", "health", "draining", "in flight", "held", "free blocks"],
       w.workers.filter(x => x.role === "prefill").map(x => [esc(x.id), esc(x.model),
         (x.record.stages || []).map(s => s.pp_rank + ": " + s.layers.join("-")).join(", ") || "pp=" + x.record.pp_size,

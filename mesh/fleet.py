@@ -59,7 +59,7 @@ class StaticRegistry:
 
 class Fleet:
     def __init__(self, registry: Registry, *, unhealthy_after: int = 2, breaker_open_s: float = 5.0,
-                 on_rebuild: Callable[[RoutingTable], None] | None = None) -> None:
+                 on_rebuild: Callable[[RoutingTable], None] | None = None, kv_leak_after: float = 120.0) -> None:
         self.registry = registry
         self.unhealthy_after = unhealthy_after
         self.breaker_open_s = breaker_open_s
@@ -73,6 +73,9 @@ class Fleet:
         self._no_load: set[str] = set()           # workers without /load: probed at /health
         self.learnt_caps: dict[str, tuple[str, ...]] = {}  # from /load, for workers that declare none
         self.cards: dict[str, dict[str, object]] = {}      # the worker's own /v1/models entry (max_model_len, root...)
+        self.kv_leak_after = kv_leak_after
+        self._unaccounted_since: dict[str, float] = {}   # census off since (monotonic)
+        self.kv_unaccounted: dict[str, int] = {}         # the leak alarm: blocks unaccounted, per worker
         self._healthy: set[str] = set()
         self._known: tuple[Worker, ...] = ()
         self._on_rebuild = on_rebuild
@@ -104,7 +107,7 @@ class Fleet:
         ids = {w.id for w in ws}
         self._healthy &= ids
         for d in (self._fails, self._probe_fails, self._open_until, self.loads, self.models, self.kv_free,
-                  self.learnt_caps, self.cards):
+                  self.learnt_caps, self.cards, self._unaccounted_since, self.kv_unaccounted):
             for k in [k for k in d if k not in ids]:
                 del d[k]
         self.table = RoutingTable.build(ws, frozenset(self._healthy))
@@ -188,6 +191,7 @@ class Fleet:
                             raise
                 if load is not None:
                     self.loads[w.id] = load
+                    self._census(w, load)
                     if not declared:
                         self.learnt_caps[w.id] = load.capabilities
                     if w.role == "prefill" and load.num_blocks:
@@ -216,8 +220,31 @@ class Fleet:
                 self._healthy.discard(w.id)
             return
         self._probe_fails[w.id] = 0
-        if w.id not in self._open_until:  # an open breaker waits for its time even if /load answers
+        if w.id in self.kv_unaccounted:  # the leak alarm: out of routing until its blocks add up
+            self._healthy.discard(w.id)
+        elif w.id not in self._open_until:  # an open breaker waits for its time even if /load answers
             self._healthy.add(w.id)
+
+    def _census(self, w: Worker, load: LoadReport) -> None:
+        """The leak alarm: a worker whose free + held + running blocks differ from its pool for
+        longer than `kv_leak_after` is logged, counted (`atomesh_kv_unaccounted_blocks`), named by
+        `/ready` and `/workers`, and routed around until its census adds up again."""
+        if load.held_blocks is None or load.running_blocks is None or not load.num_blocks:
+            return
+        off = load.num_blocks - load.free_blocks - load.held_blocks - load.running_blocks
+        now = time.monotonic()
+        if off == 0:
+            self._unaccounted_since.pop(w.id, None)
+            if self.kv_unaccounted.pop(w.id, None) is not None:
+                log.warning("worker %s: every KV block accounted for again; back in routing", w.id)
+            return
+        since = self._unaccounted_since.setdefault(w.id, now)
+        if now - since >= self.kv_leak_after:
+            if w.id not in self.kv_unaccounted:
+                log.error("worker %s: %d KV blocks unaccounted for %.0fs (free %d + held %d + running %d of %d): "
+                          "leak alarm, out of routing", w.id, off, now - since, load.free_blocks, load.held_blocks,
+                          load.running_blocks, load.num_blocks)
+            self.kv_unaccounted[w.id] = off
 
     async def run_probes(self, session: aiohttp.ClientSession, interval: float) -> None:
         while True:

@@ -57,10 +57,24 @@ class _Ledger(Collector):
         yield from (t, b, o)
 
 
+class _Unaccounted(Collector):
+    def __init__(self, read: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        g = GaugeMetricFamily("atomesh_kv_unaccounted_blocks", "The leak alarm: KV blocks a worker's census "
+                              "(free + held + running) has left unaccounted for longer than kv_leak_after; the "
+                              "worker is out of routing while it is set", labels=["worker"])
+        for wid, n in self._read():
+            g.add_metric([wid], n)
+        yield g
+
+
 class Metrics:
     def __init__(self, in_flight: Callable[[], Iterable[tuple[str, str, int]]],
                  registry: Callable[[], tuple[bool, int]] = lambda: (False, 0),
-                 ledger: Callable[[], Iterable[tuple[str, int, int, float]]] = lambda: ()) -> None:
+                 ledger: Callable[[], Iterable[tuple[str, int, int, float]]] = lambda: (),
+                 unaccounted: Callable[[], Iterable[tuple[str, int]]] = lambda: ()) -> None:
         r = self.registry = CollectorRegistry()
         self._requests = Counter("atomesh_requests", "Client requests by route and status",
                                  ["route", "status"], registry=r)
@@ -81,6 +95,7 @@ class Metrics:
         r.register(_InFlight(in_flight))
         r.register(_Registry(registry))
         r.register(_Ledger(ledger))
+        r.register(_Unaccounted(unaccounted))
         self._terminal = Counter("atomesh_kv_terminal", "Transfers ended, by terminal state and reason",
                                  ["state", "reason"], registry=r)
         self._release_latency = Histogram("atomesh_kv_release_seconds", "Prefill done -> blocks freed",

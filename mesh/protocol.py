@@ -280,3 +280,7 @@ class LoadReport:
     num_blocks: int = 0
     draining: bool = False
     capabilities: tuple[str, ...] = ()     # section 8: what the worker serves beyond OpenAI
+    # the block census (None: not reported): free + held + running == num_blocks on a worker that
+    # accounts for every block; the mesh raises its leak alarm when they differ for too long
+    held_blocks: int | None = None         # owned by held transfers (listable, releasable, expirable)
+    running_blocks: int | None = None      # owned by running/waiting sequences and pulls in progress

@@ -180,3 +180,46 @@ async def test_silent_and_garbage_workers_beside_real_ones(ckpt):
         garbage.close()
         for p in (pre, dec):
             p.stop()
+
+
+async def test_a_leak_raises_the_alarm_within_the_grace_and_clears_when_accounted(ckpt):
+    """A real prefill adapter and engine in this process, so the test can drop blocks on the floor
+    (allocated, owned by no sequence and no transfer: what a lost sequence leaves); the mesh's census
+    check raises the leak alarm within `kv_leak_after`, routes around the worker, and lowers it once
+    the blocks are back."""
+    from mesh.errors import KVTransferError  # noqa: F401 - the adapter's imports, as launch does
+    from workers.engine.config import EngineConfig
+    from workers.engine.pp import PPEngine
+    from workers.prefill import PrefillServer
+
+    engine = await asyncio.to_thread(PPEngine, ckpt, EngineConfig(block_size=4, num_blocks=128, max_batch_tokens=16), 1,
+                                     kv_backend="zmq")
+    server = PrefillServer(engine, MODEL, "p-leaky", kv_backend="zmq")
+    prunner = await start_site(server.app(), "127.0.0.1", 0)
+    dec = worker("decode", ckpt)
+    app, runner, url = await mesh_over([f"http://127.0.0.1:{bound_port(prunner)}"], [dec.lines[-2].split()[1]],
+                                       kv_leak_after=1.0)
+    try:
+        assert await fire(url, 4) == ["ok"] * 4
+        leaked = await server.call(engine.blocks.allocate, 3)
+        deadline = time.monotonic() + 10
+        async with aiohttp.ClientSession() as s:
+            while (ready := await (await s.get(url + "/ready")).json())["kv_unaccounted"] != {"p0": 3}:
+                assert time.monotonic() < deadline, ready
+                await asyncio.sleep(0.1)
+            assert not ready["ready"]   # its only pipeline is out of routing
+            rows = {w["id"]: w for w in (await (await s.get(url + "/workers")).json())["workers"]}
+            assert rows["p0"]["kv_unaccounted"] == 3 and not rows["p0"]["healthy"]
+            assert 'atomesh_kv_unaccounted_blocks{worker="p0"} 3.0' in await (await s.get(url + "/metrics")).text()
+            async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}) as r:
+                assert r.status == 503 and (await r.json())["error"]["message"]
+            await server.call(engine.blocks.release, leaked)   # accounted again: back in routing
+            while not (ready := await (await s.get(url + "/ready")).json())["ready"]:
+                assert time.monotonic() < deadline + 10, ready
+                await asyncio.sleep(0.1)
+            assert ready["kv_unaccounted"] == {}
+        assert await fire(url, 2) == ["ok"] * 2
+    finally:
+        await runner.cleanup()
+        await prunner.cleanup()
+        dec.stop()

@@ -152,6 +152,35 @@ def test_atom_flow_checks_on_real_workers(fleet, expected):
     assert "EXPIRED" not in led["terminal"] and "UNRECLAIMABLE" not in led["terminal"]
 
 
+def census_adds_up(url: str) -> dict:
+    load = httpx.get(url + "/load").json()
+    assert load["free_blocks"] + load["held_blocks"] + load["running_blocks"] == load["num_blocks"], load
+    return load
+
+
+@pytest.mark.timeout(300)
+async def test_clients_that_leave_during_a_long_prefill_leak_nothing(fleet, expected):
+    """The newcomer's reproduction: clients that disconnect while their prefill still runs (its
+    blocks would starve the pool: 6 x 150 blocks > 256 if they leaked), then a normal request answers
+    and both pools are back to where they started, every block accounted for."""
+    long = "x" * 600  # 150 blocks of 4 tokens; ~19 steps of 32 tokens: the client leaves mid-prefill
+    async with httpx.AsyncClient(timeout=60) as c:
+        for i in range(6):
+            with pytest.raises(httpx.TimeoutException):
+                await c.post(fleet["url"] + "/v1/completions",
+                             json={"model": "tiny-llama", "prompt": long + str(i), "max_tokens": 4, "stream": True},
+                             timeout=httpx.Timeout(0.05 + 0.03 * i))
+        r = await c.post(fleet["url"] + "/v1/completions", json=body("c", PROMPTS[2], False))
+        assert r.status_code == 200 and ids_of(r.content, False) == expected[("c", PROMPTS[2])]
+    await asyncio.to_thread(settled, fleet)
+    deadline = time.monotonic() + 10
+    while (p := census_adds_up(fleet["prefill"]))["free_blocks"] != NUM_BLOCKS:
+        assert time.monotonic() < deadline, p
+        await asyncio.sleep(0.05)
+    assert p["held_blocks"] == 0 and p["running_blocks"] == 0
+    assert census_adds_up(fleet["decode"])["free_blocks"] == NUM_BLOCKS
+
+
 @pytest.mark.timeout(300)
 def test_greedy_output_equals_transformers(fleet, expected):
     with httpx.Client(timeout=60) as c:

@@ -8,6 +8,7 @@ continues from the prefill's `first_token_id` (which is emitted, not sampled aga
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -74,30 +75,39 @@ class DecodeServer(EngineServer):
         if len(params.remote_block_ids) != need:
             return error_response(400, f"the prefill holds {len(params.remote_block_ids)} blocks; this prompt needs "
                                   f"{need} here (tokenizer or block size differ?)", "kv_transfer_params")
+        loop = asyncio.get_running_loop()
+        job = asyncio.ensure_future(self.call(self.tp.blocks.allocate, need))
         try:
-            dst = await self.call(self.tp.blocks.allocate, need)
+            dst = await asyncio.shield(job)
         except MemoryError as e:
             return error_response(503, f"decode KV pool: {e}", code="kv_exhausted")
+        except asyncio.CancelledError:  # left while allocating: what the allocation got goes back
+            job.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else
+                                  loop.run_in_executor(self.ex, self.tp.blocks.release, f.result()))
+            raise
+        # `dst` is the adapter's (counted in `outside`) until the engine's add_from_kv owns it; on
+        # every way out before that (a failed pull, a client gone, a cut leg) it goes back
+        self.outside += need
+        owned = False
         rid = request.headers.get("X-Request-Id", "")
         t_pull = time.monotonic()
         try:
-            await self.channel.pull(params, self.ranks(), tuple(dst), request_id=rid,
-                                    deadline_s=self.pull_deadline_s, extra={"layout": self.layout})
-        except KVTransferError as e:
-            await self.call(self.tp.blocks.release, dst)
-            return error_response(502, e.message, code="kv_transfer_failed")
-        except BaseException:
-            await self.call(self.tp.blocks.release, dst)
-            raise
-        self.pulls += 1
-        request[KV_PULL_MS] = (time.monotonic() - t_pull) * 1000
-        for r in range(self.tp.tp_size):
-            await self.channel.release(params, r)
-        seq_id = self.new_id("dec")
-        try:
+            try:
+                await self.channel.pull(params, self.ranks(), tuple(dst), request_id=rid,
+                                        deadline_s=self.pull_deadline_s, extra={"layout": self.layout})
+            except KVTransferError as e:
+                return error_response(502, e.message, code="kv_transfer_failed")
+            self.pulls += 1
+            request[KV_PULL_MS] = (time.monotonic() - t_pull) * 1000
+            for r in range(self.tp.tp_size):
+                await self.channel.release(params, r)
+            seq_id = self.new_id("dec")
+            owned = True  # add_from_kv owns `dst` from the call on, even when it fails or is left
+            self.outside -= need
             q = await self.submit(seq_id, self.tp.add_from_kv, gen.prompt, params.first_token_id, dst, gen.params,
                                   True)
-        except InvalidRequest:
-            await self.call(self.tp.blocks.release, dst)
-            raise
+        finally:
+            if not owned:
+                self.outside -= need
+                loop.run_in_executor(self.ex, self.tp.blocks.release, dst)
         return await self.respond(request, gen, seq_id, q, first=[params.first_token_id], kvp=kvp)

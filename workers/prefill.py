@@ -11,6 +11,7 @@ generation (the engine alone).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -18,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from mesh.errors import InvalidRequest, ProtocolError
-from mesh.protocol import OWN_CAPABILITIES, KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
+from mesh.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
 from workers.engine.pp import PPEngine
 from workers.engine.tp import TPEngine
 from workers.kv.holder import Held, TransferHolder
@@ -82,10 +83,14 @@ class PrefillServer(EngineServer):
         app.router.add_get("/kv/held", self._held)
         app.router.add_post("/kv/release", self._release)
 
-    def load(self) -> LoadReport:
-        base = super().load()
-        return LoadReport(in_flight=base.in_flight, queued=base.queued, held_transfers=len(self.holder),
-                          free_blocks=base.free_blocks, num_blocks=base.num_blocks, capabilities=OWN_CAPABILITIES)
+    def census(self) -> tuple[int, int, int]:
+        """Held by transfers: the holder's blocks only. A sequence the scheduler keeps HELD that the
+        holder does not own (between its last step and the handler) counts nowhere until it does."""
+        free, _, running = super().census()
+        return free, self.holder.held_blocks, running
+
+    def load(self, census: tuple[int, int, int] | None = None) -> LoadReport:
+        return dataclasses.replace(super().load(census), held_transfers=len(self.holder))
 
     async def _held(self, request: web.Request) -> web.Response:
         try:
@@ -112,15 +117,21 @@ class PrefillServer(EngineServer):
             raise InvalidRequest(e.message, param=e.param) from None
         tid = self.new_id(self.id)
         q = await self.submit(tid, self.pp.add, gen.prompt, gen.params, True)
-        o = await q.get()
-        self.queues.pop(tid, None)
-        if o.error:
-            return error_response(503 if self.failed else 400, o.error)
-        seq = self.pp.seqs.get(tid)
-        if seq is None or o.finish_reason not in ("hold", "stop", "length"):
-            return error_response(500, f"prefill of {tid} ended without holding its KV ({o.finish_reason})")
-        self.holder.hold(tid, tuple(seq.blocks), request_id=request.headers.get("X-Request-Id", ""),
-                         mesh_id=str(want.extra.get("mesh_id", "")), consumers=want.remote_tp_size)
+        held = False
+        try:  # until the holder owns its blocks, a cut leg, a client gone or an error aborts the sequence
+            o = await q.get()
+            if o.error:
+                return error_response(503 if self.failed else 400, o.error)
+            seq = self.pp.seqs.get(tid)
+            if seq is None or o.finish_reason not in ("hold", "stop", "length"):
+                return error_response(500, f"prefill of {tid} ended without holding its KV ({o.finish_reason})")
+            self.holder.hold(tid, tuple(seq.blocks), request_id=request.headers.get("X-Request-Id", ""),
+                             mesh_id=str(want.extra.get("mesh_id", "")), consumers=want.remote_tp_size)
+            held = True
+        finally:
+            self.queues.pop(tid, None)
+            if not held and not self.failed:
+                asyncio.get_running_loop().run_in_executor(self.ex, self.pp.abort, tid)
         st = self.stage_addrs()
         params = KVHandoffParams(
             remote_engine_id=self.id, remote_host=self.host, remote_port=st[0].port,

@@ -46,6 +46,7 @@ class EngineServer:
         self.wake = asyncio.Event()
         self.in_flight = 0
         self.failed: str | None = None      # the engine broke (a rank died): answer 503 from now on
+        self.outside = 0                    # blocks the adapter allocated outside any sequence (decode pulls)
         self._seq = 0
 
     # -- engine access ----------------------------------------------------------------------
@@ -81,11 +82,17 @@ class EngineServer:
         """Add a sequence (engine.add / add_from_kv); its outputs arrive on the returned queue."""
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self.queues[seq_id] = q
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self.ex, fn, seq_id, *args)
         try:
-            seq = await self.call(fn, seq_id, *args)
+            seq = await asyncio.shield(job)   # an engine call cannot be taken back once queued
         except (ValueError, MemoryError) as e:
             del self.queues[seq_id]
             raise InvalidRequest(str(e)) from None
+        except asyncio.CancelledError:  # the caller left: the add still runs; abort right after it,
+            self.queues.pop(seq_id, None)  # on the same one-thread executor (first in, first out)
+            loop.run_in_executor(self.ex, self.engine.abort, seq_id)
+            raise
         if seq.finish_reason is not None:  # done on arrival (a PD decode with max_tokens 1)
             q.put_nowait(StepOutput(seq_id, [], True, seq.finish_reason))
         self.wake.set()
@@ -95,8 +102,8 @@ class EngineServer:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", lambda r: self._serve(r, "completions"))
-        app.router.add_post("/v1/chat/completions", lambda r: self._serve(r, "chat"))
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/load", self._load)
@@ -133,15 +140,31 @@ class EngineServer:
             return error_response(503, self.failed)
         return json_response({"status": "ok", "id": self.id, "role": self.role})
 
-    def load(self) -> LoadReport:
+    def census(self) -> tuple[int, int, int]:
+        """(free, held by transfers, held by running work) KV blocks, read on the engine thread.
+        Held by transfers is what the adapter owns and can list, release and expire (the holder);
+        running is the scheduler's running and waiting sequences plus what the adapter allocated
+        outside the engine (a decode's blocks under a pull). Blocks in none of these are leaked."""
+        live, _ = self.engine.scheduler.census()
+        return self.engine.blocks.free, 0, live + self.outside
+
+    def load(self, census: tuple[int, int, int] | None = None) -> LoadReport:
         b = self.engine.blocks
-        return LoadReport(in_flight=self.in_flight, queued=len(self.engine.scheduler.waiting), free_blocks=b.free,
-                          num_blocks=b.num_blocks, capabilities=OWN_CAPABILITIES)
+        free, held, running = census if census is not None else (b.free, None, None)
+        return LoadReport(in_flight=self.in_flight, queued=len(self.engine.scheduler.waiting), free_blocks=free,
+                          num_blocks=b.num_blocks, capabilities=OWN_CAPABILITIES, held_blocks=held,
+                          running_blocks=running)
 
     async def _load(self, request: web.Request) -> web.Response:
         if self.failed:  # the mesh's probe takes a broken worker out
             return error_response(503, self.failed)
-        return json_response(self.load().encode())
+        return json_response(self.load(await self.call(self.census)).encode())
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.failed:

@@ -19,7 +19,7 @@ from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
 from workers.engine.kv_cache import BlockManager, KVPool
 from workers.engine.model import ForwardBatch, LlamaStage, SeqSlice
-from workers.engine.sampling import SamplingParams, sample
+from workers.engine.sampling import Logprob, SamplingParams, logprob_of, sample
 from workers.engine.scheduler import Scheduler, Sequence, SeqState, Work
 
 Forward = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]  # (batch, input_ids) -> logits
@@ -32,6 +32,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[Logprob] | None = None   # one per new token, where the sequence asked for them
 
 
 def build_batch(work: list[Work], block_size: int) -> tuple[ForwardBatch, torch.Tensor]:
@@ -97,12 +98,19 @@ class Engine:
         """Continue a sequence whose prompt KV already sits in `block_ids` (PD decode); `allocated`:
         the caller allocated those blocks already (to receive the KV into them)."""
         need = -(-len(prompt) // self.cfg.block_size)
-        if len(block_ids) != need:
-            raise ValueError(f"{len(prompt)} prompt tokens need {need} blocks, got {len(block_ids)}")
+        if len(block_ids) != need or seq_id in self.seqs:
+            if allocated:
+                self.blocks.release(list(block_ids))
+            raise ValueError(f"sequence {seq_id} exists" if seq_id in self.seqs else
+                             f"{len(prompt)} prompt tokens need {need} blocks, got {len(block_ids)}")
         if not allocated:
             self.blocks.take(list(block_ids))
-        seq = Sequence(seq_id, list(prompt), params, output=[first_token], blocks=list(block_ids),
-                       computed=len(prompt))
+        try:
+            seq = Sequence(seq_id, list(prompt), params, output=[first_token], blocks=list(block_ids),
+                           computed=len(prompt))
+        except BaseException:  # the blocks are the engine's from the call on: not kept by a failed add
+            self.blocks.release(list(block_ids))
+            raise
         self.seqs[seq_id] = seq
         if self._stops(seq, first_token):
             self.scheduler.finish(seq, seq.finish_reason or "length")
@@ -114,9 +122,10 @@ class Engine:
         self.seqs.pop(seq_id, None)
         return self.scheduler.release(seq_id)
 
-    def abort(self, seq_id: str) -> None:
-        self.scheduler.abort(seq_id)
+    def abort(self, seq_id: str) -> bool:
+        """Stop a sequence wherever it is and free its blocks (safe for an unknown or finished id)."""
         self.seqs.pop(seq_id, None)
+        return self.scheduler.abort(seq_id)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -153,11 +162,14 @@ class Engine:
         greedy: list[int] | None = None
         if logits.device.type != "cpu":  # one transfer per step, not one sync per row
             rows = [w.seq for w in work if w.want_logits]
-            if self.captured is None and all(s.params.temperature == 0 for s in rows):
+            if self.captured is None and all(s.params.temperature == 0 and s.params.logprobs is None for s in rows):
                 greedy = logits.argmax(-1).tolist()
             else:
                 logits = logits.float().cpu()
         for w in work:
+            if w.seq.state == SeqState.FINISHED:  # aborted while its micro-batch was in flight
+                row += w.want_logits
+                continue
             w.seq.computed = w.start + w.n
             if not w.want_logits:
                 continue
@@ -165,6 +177,8 @@ class Engine:
             if self.captured is not None and not seq.output:
                 self.captured[seq.id] = logits[row].clone()
             t = greedy[row] if greedy is not None else sample(logits[row], seq.params, seq.generator)
+            k = seq.params.logprobs
+            lps = None if k is None else [logprob_of(logits[row], t, k)]
             row += 1
             seq.output.append(t)
             done = self._stops(seq, t)
@@ -172,7 +186,7 @@ class Engine:
                 self.scheduler.finish(seq, seq.finish_reason or "length")
                 if seq.state == SeqState.FINISHED:
                     self.seqs.pop(seq.id, None)
-            out.append(StepOutput(seq.id, [t], done, seq.finish_reason if done else None))
+            out.append(StepOutput(seq.id, [t], done, seq.finish_reason if done else None, logprobs=lps))
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:

@@ -16,6 +16,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None     # None: none; k >= 0: each sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -26,6 +27,22 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in 0..20")
+
+
+Logprob = tuple[float, tuple[tuple[int, float], ...]]   # (the token's logprob, top k (id, logprob))
+
+
+def logprob_of(logits: torch.Tensor, token: int, k: int) -> Logprob:
+    """The model's log-probability of `token` (before temperature, top_k and top_p, as vLLM's
+    default raw logprobs) and the k most likely tokens."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        v, i = torch.topk(lp, k)
+        top = tuple(zip(i.tolist(), v.tolist()))
+    return float(lp[token]), top
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -170,16 +170,24 @@ class Scheduler:
         seq.blocks, seq.state = [], SeqState.FINISHED
         return True
 
-    def abort(self, seq_id: str) -> None:
+    def abort(self, seq_id: str) -> bool:
+        """Stop a sequence wherever it is (waiting, running, or held after its prefill) and free its
+        blocks; False when no such sequence is here (finished, released, or never added)."""
+        if self.release(seq_id):
+            return True
         for seq in list(self.running) + list(self.waiting):
             if seq.id == seq_id:
                 if seq in self.waiting:
                     self.waiting.remove(seq)
-                    seq.state, seq.finish_reason = SeqState.FINISHED, "abort"
-                    if seq.blocks:
-                        self.blocks.release(seq.blocks)
-                        seq.blocks = []
                 else:
-                    self.finish(seq, "abort")
-                    if seq.state == SeqState.HELD:
-                        self.release(seq.id)
+                    self.running.remove(seq)
+                seq.state, seq.finish_reason = SeqState.FINISHED, "abort"
+                self.blocks.release(seq.blocks)
+                seq.blocks = []
+                return True
+        return False
+
+    def census(self) -> tuple[int, int]:
+        """(blocks of running and waiting sequences, blocks of held ones)."""
+        live = sum(len(s.blocks) for s in self.running) + sum(len(s.blocks) for s in self.waiting)
+        return live, sum(len(s.blocks) for s in self.held.values())
