@@ -19,20 +19,27 @@ _COMMON = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "n": {"type": "integer", "minimum": 1, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 128},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "seed": {"type": "integer"},
     "user": {"type": "string"},
 }
 
+# the parameters every engine behind the mesh serves (this project's engine included); others
+# (tools, response_format, penalties...) go to the engine as they came, and an engine that does
+# not serve one answers a 400 naming it
 _COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
     **_COMMON,
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "echo": {"type": "boolean"},
     "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                          {"type": "array", "minItems": 1, "items": {"type": "string"}},
                          {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}}}
 
 _CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
     **_COMMON,
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     "messages": {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["role"],
         "properties": {"role": {"type": "string", "minLength": 1},

@@ -410,8 +410,9 @@ class Proxy:
         try:
             c0 = pres["choices"][0]
             text = c0["message"]["content"] if creq.kind == "chat" else c0["text"]
-        except (KeyError, IndexError, TypeError):
-            text = None
+            lps = c0.get("logprobs")   # the first token's, where the client asked for logprobs
+        except (KeyError, IndexError, TypeError, AttributeError):
+            text, lps = None, None
         if not isinstance(text, str):
             raise UpstreamError("prefill answer has no first-token text to send early")
         out = web.StreamResponse(status=200, headers={
@@ -419,7 +420,7 @@ class Proxy:
         await out.prepare(request)
         ans = Answer(creq.kind, creq.model, creq.request_id, h.params.get("response_meta"))
         ids = [h.first_token_id] if creq.body.get("return_token_ids") else None
-        await out.write(ans.first_chunk() + ans.chunk(text, None, ids))
+        await out.write(ans.first_chunk() + ans.chunk(text, None, ids, logprobs=lps if isinstance(lps, dict) else None))
         self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
         return out
 

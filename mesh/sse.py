@@ -40,15 +40,37 @@ class Answer:
             choice["token_ids"] = token_ids
         return orjson.dumps({**self._head(False), "choices": [choice], "usage": usage, **(extra or {})})
 
-    def first_chunk(self) -> bytes:
+    def whole_choices(self, choices: list[dict[str, Any]], usage: dict[str, int],
+                      extra: dict[str, Any] | None = None) -> bytes:
+        """Several choices: each `{index, text, finish, logprobs, token_ids}` (None: left out)."""
+        out = []
+        for c in choices:
+            if self.kind == "chat":
+                ch: dict[str, Any] = {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                                      "logprobs": c.get("logprobs"), "finish_reason": c["finish"]}
+            else:
+                ch = {"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
+                      "finish_reason": c["finish"]}
+            if c.get("token_ids") is not None:
+                ch["token_ids"] = c["token_ids"]
+            out.append(ch)
+        return orjson.dumps({**self._head(False), "choices": out, "usage": usage, **(extra or {})})
+
+    def first_chunk(self, n: int = 1) -> bytes:
         if self.kind != "chat":
             return b""
-        return self._sse({**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                           "finish_reason": None}]})
+        return b"".join(self._sse({**self._head(True), "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) for i in range(n))
 
-    def chunk(self, text: str, finish: str | None, token_ids: list[int] | None = None) -> bytes:
-        choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if self.kind == "chat"
-                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    def chunk(self, text: str, finish: str | None, token_ids: list[int] | None = None, *, index: int = 0,
+              logprobs: Any = None) -> bytes:
+        choice: dict[str, Any]
+        if self.kind == "chat":
+            choice = {"index": index, "delta": {"content": text}, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._sse({**self._head(True), "choices": [choice]})

@@ -182,6 +182,43 @@ async def test_clients_that_leave_during_a_long_prefill_leak_nothing(fleet, expe
 
 
 @pytest.mark.timeout(300)
+def test_logprobs_stop_and_n_through_pd_equal_the_engine_alone(fleet):
+    """PD through the mesh answers as the prefill engine alone: logprobs (the first token's from the
+    prefill, streamed early or not), a stop string, n with a seed (the mesh splits n into pairs
+    seeded seed + j; the engine alone seeds its choice j the same way)."""
+    cases = [{"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "logprobs": 2, "ignore_eos": True},
+             {"prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "stop": [" ", "e"], "ignore_eos": True},
+             {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True}]
+    with httpx.Client(timeout=60) as c:
+        for case in cases:
+            b = {"model": "tiny-llama", **case}
+            alone = c.post(fleet["prefill"] + "/v1/completions", json=b).json()["choices"]
+            for stream in (False, True):
+                r = c.post(fleet["url"] + "/v1/completions", json={**b, "stream": stream})
+                assert r.status_code == 200, r.text
+                if not stream:
+                    got = r.json()["choices"]
+                else:
+                    acc: dict[int, dict] = {}
+                    for e in r.content.split(b"\n\n"):
+                        if e.startswith(b"data: {"):
+                            for ch in orjson.loads(e[6:])["choices"]:
+                                a = acc.setdefault(ch["index"], {"index": ch["index"], "text": "", "lp": []})
+                                a["text"] += ch["text"]
+                                a["lp"] += (ch.get("logprobs") or {}).get("token_logprobs") or []
+                                a["finish_reason"] = ch["finish_reason"] or a.get("finish_reason")
+                    got = [{**a, "logprobs": {"token_logprobs": a["lp"]} if a["lp"] else None} for a in acc.values()]
+                got = sorted(got, key=lambda x: x["index"])
+                assert [x["text"] for x in got] == [x["text"] for x in alone], (case, stream)
+                assert [x["finish_reason"] for x in got] == [x["finish_reason"] for x in alone], (case, stream)
+                for g, w in zip(got, alone):
+                    if w["logprobs"]:
+                        gl, wl = g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"]
+                        assert len(gl) == len(wl) and all(abs(x - y) < 1e-6 for x, y in zip(gl, wl)), (stream, gl, wl)
+    settled(fleet)
+
+
+@pytest.mark.timeout(300)
 def test_greedy_output_equals_transformers(fleet, expected):
     with httpx.Client(timeout=60) as c:
         for stream in (False, True):

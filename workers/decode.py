@@ -22,7 +22,7 @@ from workers.engine.tp import TPEngine
 from workers.kv.sidechannel import ConsumerChannel
 from workers.kv.stage import layout_extra, register_pool
 from workers.openai_io import GenRequest
-from workers.server import EngineServer, error_response
+from workers.server import Choice, EngineServer, error_response
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class DecodeServer(EngineServer):
         kvp = body.get("kv_transfer_params")
         if not (isinstance(kvp, dict) and kvp.get("do_remote_prefill")):
             return await super().handle(request, gen, body)
+        if gen.n != 1:
+            raise InvalidRequest("n must be 1 on a PD decode leg (the mesh splits n into one pair per choice)",
+                                 param="n")
         try:
             params = KVHandoffParams.decode(kvp, "kv_transfer_params")
         except ProtocolError as e:
@@ -110,4 +113,13 @@ class DecodeServer(EngineServer):
             if not owned:
                 self.outside -= need
                 loop.run_in_executor(self.ex, self.tp.blocks.release, dst)
-        return await self.respond(request, gen, seq_id, q, first=[params.first_token_id], kvp=kvp)
+        flp = kvp.get("first_token_logprobs")
+        first_lp = [(flp[0], tuple((int(i), float(v)) for i, v in flp[1]))] if _logprob_entry(flp) else None
+        return await self.respond(request, gen, [Choice(0, seq_id, q, [params.first_token_id], first_lp)], kvp=kvp)
+
+
+def _logprob_entry(v: Any) -> bool:
+    """`first_token_logprobs` as the prefill sends it: [logprob, [[token, logprob], ...]]."""
+    return (isinstance(v, list) and len(v) == 2 and isinstance(v[0], (int, float)) and isinstance(v[1], list)
+            and all(isinstance(x, list) and len(x) == 2 and type(x[0]) is int and isinstance(x[1], (int, float))
+                    for x in v[1]))

@@ -25,7 +25,7 @@ from workers.engine.tp import TPEngine
 from workers.kv.holder import Held, TransferHolder
 from workers.kv.sidechannel import StageChannel
 from workers.kv.stage import make_writer, register_pool
-from workers.openai_io import Answer, Detokenizer, GenRequest
+from workers.openai_io import Answer, Detokenizer, GenRequest, logprobs_json
 from workers.server import EngineServer, error_response, json_response
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,9 @@ class PrefillServer(EngineServer):
         kvp = body.get("kv_transfer_params")
         if not (isinstance(kvp, dict) and kvp.get("do_remote_decode")):
             return await super().handle(request, gen, body)
+        if gen.n != 1:
+            raise InvalidRequest("n must be 1 on a PD prefill leg (the mesh splits n into one pair per choice)",
+                                 param="n")
         try:
             want = KVRequestParams.decode(kvp, "kv_transfer_params")
         except ProtocolError as e:
@@ -138,10 +141,15 @@ class PrefillServer(EngineServer):
             remote_handshake_port=st[0].port, remote_block_ids=tuple(seq.blocks), transfer_id=tid,
             first_token_id=o.new_tokens[0], remote_pp_size=len(st), tp_size=getattr(self.pp, "tp_size", 1), dp_rank=0,
             stages=st,
-            extra={"kv_backend": self.kv_backend})
-        text = Detokenizer(self.engine.tokenizer).add(o.new_tokens)  # as a stream's first chunk would say it
+            extra={"kv_backend": self.kv_backend,
+                   **({"first_token_logprobs": [o.logprobs[0][0], [list(x) for x in o.logprobs[0][1]]]}
+                      if o.logprobs else {})})
+        tok = self.engine.tokenizer
+        text = Detokenizer(tok).add(o.new_tokens)  # as a stream's first chunk would say it
         ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""))
         usage = {"prompt_tokens": len(gen.prompt), "completion_tokens": 1, "total_tokens": len(gen.prompt) + 1}
-        return web.Response(body=ans.whole(text, "length", usage, {"kv_transfer_params": params.encode()}),
+        lps = logprobs_json(gen.kind, tok, o.new_tokens, o.logprobs) if o.logprobs else None
+        return web.Response(body=ans.whole_choices([{"index": 0, "text": text, "finish": "length", "logprobs": lps}],
+                                                   usage, {"kv_transfer_params": params.encode()}),
                             content_type="application/json")
 

@@ -8,6 +8,7 @@ so the event loop never blocks on torch and engine state is touched by one threa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from mesh.tracing import kv_pull_header
 from mesh.errors import InvalidRequest, MeshError, error_body
 from mesh.protocol import OWN_CAPABILITIES, LoadReport
 from workers.engine.engine import Engine, StepOutput
-from workers.openai_io import Answer, Detokenizer, GenRequest, parse
+from workers.openai_io import Answer, Detokenizer, GenRequest, logprobs_json, parse
 
 log = logging.getLogger(__name__)
 
@@ -186,65 +187,169 @@ class EngineServer:
             self.in_flight -= 1
 
     async def handle(self, request: web.Request, gen: GenRequest, body: dict[str, Any]) -> web.StreamResponse:
-        seq_id = self.new_id("gen")
-        q = await self.submit(seq_id, self.engine.add, gen.prompt, gen.params)
-        return await self.respond(request, gen, seq_id, q, first=[])
+        """The engine alone: `n` sequences (choice j seeded with seed + j), answered as one."""
+        choices = []
+        try:
+            for j in range(gen.n):
+                params = gen.params
+                if j and params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + j)
+                seq_id = self.new_id("gen")
+                choices.append(Choice(j, seq_id, await self.submit(seq_id, self.engine.add, gen.prompt, params)))
+        except BaseException:
+            for c in choices:
+                self.queues.pop(c.seq_id, None)
+                asyncio.get_running_loop().run_in_executor(self.ex, self.engine.abort, c.seq_id)
+            raise
+        return await self.respond(request, gen, choices)
 
-    async def respond(self, request: web.Request, gen: GenRequest, seq_id: str, q: asyncio.Queue[StepOutput],
-                      first: list[int], extra: dict[str, Any] | None = None,
-                      kvp: dict[str, Any] | None = None) -> web.StreamResponse:
-        """Stream (or gather) a sequence's tokens; `first` are tokens already known (PD's first token).
-        With `kvp.first_token_early` the mesh already sent the role chunk and the first token."""
+    async def respond(self, request: web.Request, gen: GenRequest, choices: list["Choice"],
+                      extra: dict[str, Any] | None = None, kvp: dict[str, Any] | None = None) -> web.StreamResponse:
+        """Stream (or gather) the choices' tokens: stop strings end a choice (its text cut before
+        the stop, the sequence aborted), logprobs ride with their tokens, echo leads with the prompt.
+        A choice's `first` tokens are known already (PD's first token); with `kvp.first_token_early`
+        the mesh already sent the role chunk and the first token."""
         kvp = kvp or {}
         ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""),
                      kvp.get("response_meta"))
-        sent_early = bool(kvp.get("first_token_early")) and bool(first)
-        detok = Detokenizer(self.engine.tokenizer)
-        ids = list(first)
+        sent_early = bool(kvp.get("first_token_early")) and bool(choices[0].first)
+        tok = self.engine.tokenizer
+        for c in choices:
+            c.start(tok, gen)
         want_ids = gen.return_token_ids
-        finish = None
+        merged: asyncio.Queue[tuple[Choice, StepOutput]] = asyncio.Queue()
+
+        async def feed(c: Choice) -> None:
+            while True:
+                o = await c.q.get()
+                merged.put_nowait((c, o))
+                if o.finished or o.error:
+                    return
+
+        feeders = [asyncio.ensure_future(feed(c)) for c in choices if c.finish is None]
+        left = len(feeders)
         try:
             if not gen.stream:
-                text = detok.add(first)
-                while finish is None:
-                    o = await q.get()
+                while left:
+                    c, o = await merged.get()
                     if o.error:
                         return error_response(500 if self.failed else 400, o.error)
-                    ids += o.new_tokens
-                    text += detok.add(o.new_tokens, final=o.finished)
-                    if o.finished:
-                        finish = o.finish_reason
-                usage = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(ids),
-                         "total_tokens": len(gen.prompt) + len(ids)}
-                return web.Response(body=ans.whole(text, finish or "length", usage, extra,
-                                                   ids if want_ids else None), content_type="application/json")
+                    left -= self._advance(c, o)
+                out = [c.whole(gen, tok, want_ids) for c in choices]
+                return web.Response(body=ans.whole_choices(out, self._usage(gen, choices), extra),
+                                    content_type="application/json")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            head = ans.first_chunk()
-            if head and not sent_early:
-                await resp.write(head)
-            if first:  # PD: the prefill's first token goes out at once (unless the mesh sent it)
-                text = detok.add(first)
-                if not sent_early:
-                    await resp.write(ans.chunk(text, None, list(first) if want_ids else None))
-            while finish is None:
-                o = await q.get()
+            if not sent_early:
+                await resp.write(ans.first_chunk(len(choices)))
+            for c in choices:  # echo, and PD's first token (unless the mesh sent it)
+                if c.lead or (c.first and not sent_early):
+                    text, lps, ids = c.take(tok, gen, final=c.finish is not None)
+                    await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index, logprobs=lps))
+                elif c.first:  # the mesh sent it: only forget it
+                    c.take(tok, gen, final=False)
+            while left:
+                c, o = await merged.get()
                 if o.error:
                     await resp.write(b"event: error\ndata: " + error_body(o.error, "server_error") + b"\n\n")
                     await resp.write_eof()
                     return resp
-                ids += o.new_tokens
-                text = detok.add(o.new_tokens, final=o.finished)
-                if o.finished:
-                    finish = o.finish_reason or "length"
-                await resp.write(ans.chunk(text, finish, o.new_tokens if want_ids else None))
+                left -= self._advance(c, o)
+                text, lps, ids = c.take(tok, gen, final=c.finish is not None)
+                if text or lps or c.finish is not None or (want_ids and ids):
+                    await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index,
+                                               logprobs=lps))
             if gen.include_usage:
-                await resp.write(ans.usage_chunk({"prompt_tokens": len(gen.prompt), "completion_tokens": len(ids),
-                                                  "total_tokens": len(gen.prompt) + len(ids)}))
+                await resp.write(ans.usage_chunk(self._usage(gen, choices)))
             await resp.write(Answer.DONE)
             await resp.write_eof()
             return resp
         finally:
-            self.queues.pop(seq_id, None)
-            if finish is None and not self.failed:  # the client left (or we failed): stop the work
-                asyncio.get_running_loop().run_in_executor(self.ex, self.engine.abort, seq_id)
+            for f in feeders:
+                f.cancel()
+            for c in choices:
+                self.queues.pop(c.seq_id, None)
+                if (c.finish is None or c.stopped) and not self.failed:  # the client left, or a stop string
+                    asyncio.get_running_loop().run_in_executor(self.ex, self.engine.abort, c.seq_id)
+
+    def _advance(self, c: "Choice", o: StepOutput) -> int:
+        """A step's output into its choice; 1 when the choice just ended."""
+        if c.finish is not None:
+            return 0   # stopped by a stop string already: later tokens are dropped
+        c.add(self.engine.tokenizer, o)
+        return int(c.finish is not None)
+
+    @staticmethod
+    def _usage(gen: GenRequest, choices: list["Choice"]) -> dict[str, int]:
+        done = sum(len(c.ids) for c in choices)
+        return {"prompt_tokens": len(gen.prompt), "completion_tokens": done, "total_tokens": len(gen.prompt) + done}
+
+
+class Choice:
+    """One choice of an answer: its sequence, the text it has let out, what a stop string may
+    still claim (held back), its tokens and logprobs."""
+
+    def __init__(self, index: int, seq_id: str, q: "asyncio.Queue[StepOutput]", first: list[int] | None = None,
+                 first_logprobs: list[Any] | None = None) -> None:
+        self.index, self.seq_id, self.q = index, seq_id, q
+        self.first = list(first or [])
+        self.ids: list[int] = list(self.first)
+        self.lps: list[Any] = list(first_logprobs or [])
+        self.finish: str | None = None
+        self.stopped = False           # ended by a stop string (its sequence still runs: abort it)
+        self.text = ""                 # let out
+        self.pending = ""              # held back: may be the start of a stop string
+        self.new_ids: list[int] = list(self.first)
+        self.new_lps: list[Any] = list(self.lps)
+        self.lead = ""
+
+    def start(self, tok: Any, gen: GenRequest) -> None:
+        self.detok = Detokenizer(tok)
+        self.hold = max((len(s) for s in gen.stop), default=1) - 1
+        self.stops = gen.stop
+        self.lead = gen.prompt_text if gen.echo else ""
+        if self.first:
+            self._text(self.detok.add(self.first), False)
+
+    def add(self, tok: Any, o: StepOutput) -> None:
+        self.ids += o.new_tokens
+        self.new_ids += o.new_tokens
+        if o.logprobs:
+            self.lps += o.logprobs
+            self.new_lps += o.logprobs
+        if o.finished:
+            self.finish = o.finish_reason or "length"
+        self._text(self.detok.add(o.new_tokens, final=o.finished), o.finished)
+
+    def _text(self, piece: str, final: bool) -> None:
+        buf = self.pending + piece
+        if self.stops:
+            hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                self.text += buf[:min(hits)]
+                self.pending = ""
+                if self.finish is None or self.finish == "length":
+                    self.finish, self.stopped = "stop", self.finish is None
+                return
+        cut = len(buf) if final or not self.stops else max(0, len(buf) - self.hold)
+        self.text += buf[:cut]
+        self.pending = buf[cut:]
+        if final and self.pending:
+            self.text += self.pending
+            self.pending = ""
+
+    def take(self, tok: Any, gen: GenRequest, final: bool) -> tuple[str, Any, list[int]]:
+        """What is new since the last take: text, logprobs object (or None), token ids."""
+        text = self.lead + self.text[getattr(self, "_out", 0):]
+        self._out = len(self.text)
+        lead, self.lead = self.lead, ""
+        lps = (logprobs_json(gen.kind, tok, self.new_ids, self.new_lps, getattr(self, "_off", 0))
+               if gen.params.logprobs is not None and self.new_ids else None)
+        self._off = getattr(self, "_off", 0) + len(text) - len(lead)
+        ids, self.new_ids, self.new_lps = self.new_ids, [], []
+        return text, lps, ids
+
+    def whole(self, gen: GenRequest, tok: Any, want_ids: bool) -> dict[str, Any]:
+        lps = logprobs_json(gen.kind, tok, self.ids, self.lps) if gen.params.logprobs is not None else None
+        return {"index": self.index, "text": self.lead + self.text, "finish": self.finish or "length",
+                "logprobs": lps, "token_ids": self.ids if want_ids else None}

@@ -111,6 +111,11 @@ class Engine:
         except BaseException:  # the blocks are the engine's from the call on: not kept by a failed add
             self.blocks.release(list(block_ids))
             raise
+        if seq.generator is not None and params.temperature > 0:
+            # the prefill drew the first token from the same seed: replay that draw (a multinomial
+            # over the vocabulary uses the same randoms whatever the probabilities), so a seeded PD
+            # answer is the engine alone's
+            torch.multinomial(torch.ones(self.model_cfg.vocab_size), 1, generator=seq.generator)
         self.seqs[seq_id] = seq
         if self._stops(seq, first_token):
             self.scheduler.finish(seq, seq.finish_reason or "length")
@@ -162,7 +167,8 @@ class Engine:
         greedy: list[int] | None = None
         if logits.device.type != "cpu":  # one transfer per step, not one sync per row
             rows = [w.seq for w in work if w.want_logits]
-            if self.captured is None and all(s.params.temperature == 0 and s.params.logprobs is None for s in rows):
+            if self.captured is None and all(s.params.temperature == 0 and s.params.logprobs is None
+                                             and len(s.output) >= s.params.min_tokens for s in rows):
                 greedy = logits.argmax(-1).tolist()
             else:
                 logits = logits.float().cpu()
@@ -176,7 +182,11 @@ class Engine:
             seq = w.seq
             if self.captured is not None and not seq.output:
                 self.captured[seq.id] = logits[row].clone()
-            t = greedy[row] if greedy is not None else sample(logits[row], seq.params, seq.generator)
+            x = logits[row]
+            if len(seq.output) < seq.params.min_tokens:  # as vLLM's min_tokens: the stop tokens are masked
+                x = x.clone()
+                x[[self.model_cfg.eos_token_id, *seq.params.stop_token_ids]] = float("-inf")
+            t = greedy[row] if greedy is not None else sample(x, seq.params, seq.generator)
             k = seq.params.logprobs
             lps = None if k is None else [logprob_of(logits[row], t, k)]
             row += 1

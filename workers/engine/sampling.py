@@ -17,6 +17,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None     # None: none; k >= 0: each sampled token's logprob and the top k
+    min_tokens: int = 0             # EOS and stop_token_ids are not sampled before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
