@@ -249,8 +249,14 @@ def cmd_workers(a: argparse.Namespace) -> None:
 def cmd_worker(a: argparse.Namespace) -> None:
     from workers.launch import EXIT, serve_worker
 
+    from workers.engine.dist import RankDied
+
     etcd = etcd_config(a) if a.etcd else None
-    _run(lambda stop: serve_worker(a.cmd, a, stop, etcd))
+    try:
+        _run(lambda stop: serve_worker(a.cmd, a, stop, etcd))
+    except RankDied as e:  # a rank or stage that never came, failed the handshake, or a stop meanwhile
+        print(f"{a.cmd}: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     if EXIT["code"]:
         sys.exit(EXIT["code"])
 

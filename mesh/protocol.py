@@ -221,11 +221,16 @@ def decode_frame(frame: bytes) -> Any:
     try:
         kind, body = msgpack.unpackb(frame)
     except Exception as e:  # noqa: BLE001 - any malformed frame is a protocol error
-        raise ProtocolError(f"side channel: undecodable frame ({e})") from None
-    cls = SIDE_MESSAGES.get(kind)
+        raise ProtocolError(f"side channel: undecodable frame ({e.__class__.__name__})") from None
+    cls = SIDE_MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"side channel: unknown message type {kind!r}", param="type")
-    return cls.decode(body, kind)
+        raise ProtocolError("side channel: unknown message type", param="type")
+    try:
+        return cls.decode(body, kind)
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a body of the wrong shape
+        raise ProtocolError(f"side channel: bad {kind} ({e.__class__.__name__})") from None
 
 
 # -- section 7: holder HTTP API ---------------------------------------------------------------

@@ -58,6 +58,9 @@ def env_of(w: dict[str, Any], ordinal: int = 0) -> dict[str, str]:
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+        elif "secretKeyRef" in e["valueFrom"]:
+            ref = e["valueFrom"]["secretKeyRef"]
+            env[e["name"]] = by_name("Secret", ref["name"])["stringData"][ref["key"]]
         else:
             path = e["valueFrom"]["fieldRef"]["fieldPath"]
             env[e["name"]] = {"metadata.name": env["HOSTNAME"], "status.podIP": f"10.0.0.{ordinal + 10}"}[path]

@@ -365,3 +365,24 @@ async def test_drain_with_etcd_gone_exits_cleanly(etcd):
     err = reg.p.stderr.read() if reg.p.stderr else ""
     assert code == 0 and "Traceback" not in err, err[-2000:]
     reg.stop()
+
+
+def test_bad_keys_and_records_are_skipped_one_by_one():
+    """A non-UTF-8 key, a record that is not JSON, URLs that are not http(s) with an ASCII port,
+    userinfo, a pp_size of 0: each skipped with a warning; the good records still route."""
+    from mesh.etcd_registry import build_workers
+
+    keys = EtcdConfig().keys
+    root = keys.root.encode()
+
+    def rec(i: int, **kw) -> bytes:
+        return orjson.dumps({"id": f"d{i}", "model": "m", "url": f"http://127.0.0.1:{9000 + i}", **kw})
+
+    kv = {root + b"decode/good": rec(0), root + b"decode/\xff\xfe": rec(1), root + b"decode/nojson": b"{",
+          root + b"decode/file": rec(2, url="file:///etc/passwd"),
+          root + b"decode/user": rec(3, url="http://u:p@127.0.0.1:9003"),
+          root + b"decode/digits": rec(4, url="http://127.0.0.1:\u0661\u0662"),
+          root + b"decode/tp0": rec(5, tp_size=0), root + b"decode/port0": rec(6, url="http://127.0.0.1:0"),
+          root + b"prefill/pp0": orjson.dumps({"id": "p", "model": "m", "url": "http://127.0.0.1:9100", "pp_size": 0})}
+    workers, _, _ = build_workers(keys, kv)
+    assert [w.id for w in workers] == ["good"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import subprocess
 import time
 
 import httpx
@@ -22,6 +24,7 @@ from workers.openai_io import render_chat
 
 N = 12
 NUM_BLOCKS = 256
+PIPELINE_SECRET = {"ATOMESH_PIPELINE_SECRET": "pipeline-secret-for-tests-0123"}
 PROMPTS = ["Hello, mesh", "a", "The quick brown fox jumps over the lazy dog, twice over.", "0123456789abcdef",
            "\u00e9t\u00e9 \u2014 done"]
 CHATS = [[{"role": "user", "content": "hi"}],
@@ -342,10 +345,10 @@ def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected
     procs = []
     try:
         stages = [Proc([MESH_BIN, "stage", "--checkpoint", str(ckpt), "--head", f"127.0.0.1:{port}", "--pp-rank",
-                        str(r)], f"stage {r} joining", timeout=60) for r in (1, 2)]
+                        str(r)], f"stage {r} joining", PIPELINE_SECRET, timeout=60) for r in (1, 2)]
         procs += stages
         head = Proc([MESH_BIN, "prefill", *common, "--pp-size", "3", "--remote-stages", str(port)], "ready",
-                    timeout=120)
+                    PIPELINE_SECRET, timeout=120)
         procs.append(head)
         procs.append(Proc([MESH_BIN, "decode", *common, "--tp-size", "2"], "ready", timeout=120))
         procs.append(Proc([MESH_BIN, "serve", "--port", "0", "--etcd", etcd_server.url, "--cluster", cluster],
@@ -370,6 +373,14 @@ def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected
             return {x.key.decode().rsplit("/", 1)[1]: _orjson.loads(x.value)["pid"] for x in kvs if b"/stage/" in x.key}
 
         assert asyncio.run(stage_pids()) == {"0": head.p.pid, "1": stages[0].p.pid, "2": stages[1].p.pid}
+        # a plain TCP connect to a stage's control port (anyone with network reach) is not the stage
+        # leaving: the head stays up and serves
+        for r in (1, 2):
+            socket.create_connection(("127.0.0.1", port + r), timeout=5).close()
+        time.sleep(2.5)
+        assert head.p.poll() is None
+        r = httpx.post(url + "/v1/completions", json=body("c", PROMPTS[0], False), timeout=60)
+        assert r.status_code == 200 and ids_of(r.content, False) == expected[("c", PROMPTS[0])]
         os.kill(stages[1].p.pid, signal.SIGKILL)
         assert head.p.wait(30) == 3  # the head withdrew and exited: its supervisor restarts the pipeline
         # the surviving stage exits too: told to stop by the leaving head (0), or seeing it gone (3)
@@ -377,6 +388,70 @@ def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected
     finally:
         for p in procs[::-1]:
             p.stop()
+
+
+class _Pwn:
+    """A pickle that runs a command when loaded: what an attacker sends to a control port."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.timeout(180)
+def test_remote_stage_control_runs_no_code_and_needs_the_secret(ckpt, tmp_path):
+    """An attacker on the control plane: a pickle to a waiting head, a stranger without the secret,
+    and a fake head answering a real `mesh stage` with a pickle. No code runs, nobody joins."""
+    import pickle
+
+    import zmq
+
+    from workers.engine import ctrl
+
+    pwned = tmp_path / "pwned"
+    port = free_port_run(2)
+    env = {**os.environ, **PIPELINE_SECRET}
+    head_p = subprocess.Popen([MESH_BIN, "prefill", "--checkpoint", str(ckpt), "--kv-backend", "zmq", "--pp-size", "2",
+                               "--remote-stages", str(port), "--num-blocks", "64"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    try:
+        time.sleep(3)
+        for payload in (pickle.dumps(_Pwn(str(pwned))), pickle.dumps(("hello", 1)),
+                        ctrl.pack("hello", 1, b"\0" * 32)):
+            s = ctx.socket(zmq.PAIR)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{port + 1}")
+            s.send(payload)
+            if payload.startswith(b"\x93") and s.poll(5000):   # the typed hello: a challenge comes back
+                _, (n_h, _proof) = ctrl.unpack(s.recv(), ("challenge",))
+                s.send(ctrl.pack("auth", ctrl.mac(b"not-the-secret-000000", b"stage", 1, n_h)))
+                assert not s.poll(2000) or ctrl.unpack(s.recv())[0] != "spec"   # no spec for a stranger
+            s.close(0)
+            time.sleep(0.5)
+        assert head_p.poll() is None and not pwned.exists()
+        # a fake head: a real stage (with the secret) connects and is sent a pickle instead of a challenge
+        fake = ctx.socket(zmq.PAIR)
+        fake.setsockopt(zmq.LINGER, 0)
+        fport = free_port_run(2)
+        fake.bind(f"tcp://127.0.0.1:{fport + 1}")
+        stage = subprocess.Popen([MESH_BIN, "stage", "--checkpoint", str(ckpt), "--head", f"127.0.0.1:{fport}",
+                                  "--pp-rank", "1", "--connect-timeout", "10"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        assert fake.poll(30000)
+        fake.recv()
+        fake.send(pickle.dumps(_Pwn(str(pwned))))
+        _, err = stage.communicate(timeout=30)
+        assert stage.returncode == 3 and not pwned.exists()
+        assert "the head at" in err and "Traceback" not in err   # refused before anything ran
+        fake.close(0)
+    finally:
+        ctx.term()
+        head_p.terminate()   # heard while it waits for its stages
+        _, out = head_p.communicate(timeout=30)
+    assert "failed the handshake" in out and not pwned.exists()
 
 
 @pytest.mark.timeout(240)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,11 @@ def engine_config(a: Any, device: str = "cpu") -> EngineConfig:
                         max_batch_tokens=a.max_batch_tokens, dtype=a.dtype, device=device)
 
 
+async def _on_stop(stop: asyncio.Event, cancel: threading.Event) -> None:
+    await stop.wait()
+    cancel.set()
+
+
 async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:
     model = a.model or Path(a.checkpoint).name
     tp_prefill = role == "prefill" and a.tp_size > 1
@@ -48,9 +54,18 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
         if tp_prefill:  # each TP rank serves its slice of the KV heads, of every layer
             engine: Any = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host,
                                    devices=devs, producer=True)
+        elif a.remote_stages:  # the wait for the stages runs in a thread, so SIGTERM (stop) ends it
+            cancel = threading.Event()
+            heard = asyncio.create_task(_on_stop(stop, cancel))
+            try:
+                engine = await asyncio.to_thread(PPEngine, a.checkpoint, cfg, a.pp_size, a.partition,
+                                                 kv_backend=a.kv_backend, kv_host=a.host,
+                                                 remote_port=a.remote_stages, devices=devs, cancel=cancel)
+            finally:
+                heard.cancel()
         else:
             engine = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
-                              remote_port=a.remote_stages, devices=devs)
+                              devices=devs)
         wid = a.id or f"prefill-{a.host}-{a.port}"
         server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl)
     else:

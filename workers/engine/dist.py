@@ -2,7 +2,9 @@
 
 Each spawned rank is a named process that builds its slice of the model (its PP layers or its
 TP shard), acks when ready, then serves commands from rank 0 over a ZMQ PAIR socket (batch
-metadata, KV reads and writes, stop). Tensors between ranks (PP hidden states, logits back
+metadata, KV reads and writes, stop) in typed msgpack frames (`workers.engine.ctrl`, no pickle),
+after both ends proved the pipeline's secret (random per engine for spawned ranks; the
+`ATOMESH_PIPELINE_SECRET` of the head and its remote stages). Tensors between ranks (PP hidden states, logits back
 to rank 0, TP all-reduce) go over a gloo process group of its own (`ProcessGroupGloo` on a
 `TCPStore`), so several engines can live in one process without a global default group.
 A rank that dies is reported (`RankDied`) rather than waited on forever.
@@ -16,7 +18,6 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import zmq
 import zmq.utils.monitor as zmq_monitor
 
+from mesh.errors import ProtocolError
+from workers.engine import ctrl
 from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
 from workers.engine.kv_cache import KVPool
@@ -124,6 +127,7 @@ class RankSpec:
     head: str = "127.0.0.1"           # where rank 0's store and control sockets listen
     backend: str = "gloo"             # the group's backend (group_backend of every rank's device)
     producer: bool = False            # a TP prefill rank: serves its KV heads over the side channel
+    secret: bytes = b""               # the control channel's shared secret (never sent on it)
 
 
 def _rank_main(spec: RankSpec, ready: Any) -> None:
@@ -133,10 +137,32 @@ def _rank_main(spec: RankSpec, ready: Any) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{spec.ctrl_port}")
     try:
+        _stage_handshake(sock, spec.rank, spec.secret, 120.0, ("ok",))
         _serve_rank(spec, sock, ready.put)
+    except (RankDied, ProtocolError) as e:
+        ready.put(("error", str(e)))
     finally:
         sock.close(0)
         ctx.term()
+
+
+def _stage_handshake(sock: zmq.Socket, rank: int, secret: bytes, timeout: float,
+                     then: tuple[str, ...]) -> list[Any]:
+    """A rank's side: hello with a nonce, check the head's proof, prove ours; the head's next frame
+    (`then`: the spec for a remote stage, ok for a spawned rank) is returned."""
+    n_s = ctrl.nonce()
+    sock.send(ctrl.pack("hello", rank, n_s))
+
+    def recv(expect: tuple[str, ...]) -> list[Any]:
+        if not sock.poll(int(timeout * 1000)):
+            raise RankDied(f"no pipeline head answered within {timeout:g}s")
+        return ctrl.unpack(sock.recv(), expect)[1]
+
+    n_h, proof = recv(("challenge",))
+    if not ctrl.check_mac(secret, b"head", rank, n_s, proof):
+        raise RankDied("the pipeline head did not prove the pipeline secret: not joining it")
+    sock.send(ctrl.pack("auth", ctrl.mac(secret, b"stage", rank, n_h)))
+    return recv(then)
 
 
 def serve_remote_stage(head: str, port: int, pp_rank: int, checkpoint: str, kv_host: str,
@@ -145,20 +171,23 @@ def serve_remote_stage(head: str, port: int, pp_rank: int, checkpoint: str, kv_h
     head (`mesh prefill --remote-stages PORT`) listens at head:port. The head sends the spec; the
     stage builds its layers, joins the gloo group, acks, and serves until `stop` or until the
     head is gone (then it exits, to be restarted and join the next head)."""
+    secret = ctrl.pipeline_secret(required=True)
+    assert secret is not None
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     _heartbeats(sock)
     sock.connect(f"tcp://{head}:{port + pp_rank}")
-    sock.send(pickle.dumps(("hello", pp_rank)))
     try:
-        if not sock.poll(int(connect_timeout * 1000)):
-            raise RankDied(f"no pipeline head answered at {head}:{port + pp_rank} within {connect_timeout:g}s")
-        spec = pickle.loads(sock.recv())
-        spec = dataclasses.replace(spec, checkpoint=checkpoint, kv_host=kv_host, head=head)
+        try:
+            (raw,) = _stage_handshake(sock, pp_rank, secret, connect_timeout, ("spec",))
+            spec = ctrl.spec_in(raw, RankSpec)
+        except ProtocolError as e:
+            raise RankDied(f"the head at {head}:{port + pp_rank}: {e.message}") from None
+        spec = dataclasses.replace(spec, checkpoint=checkpoint, kv_host=kv_host, head=head, secret=secret)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            _serve_rank(spec, sock, lambda msg: sock.send(pickle.dumps(msg)), monitor)
+            _serve_rank(spec, sock, lambda msg: sock.send(ctrl.pack(*msg)), monitor)
         finally:
             sock.disable_monitor()
             monitor.close(0)
@@ -232,7 +261,11 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
                 _withdraw(enrollment, kv_loop)
                 raise RankDied(f"stage {spec.rank}: the pipeline head at {spec.head} is gone")
             continue
-        cmd, *args = pickle.loads(sock.recv())
+        try:
+            cmd, args = ctrl.unpack(sock.recv())
+        except ProtocolError as e:  # the peer proved the secret: a bug, not an attack; say so, go on
+            log.error("rank %d: bad control frame: %s", spec.rank, e.message)
+            continue
         if cmd == "stop":
             _withdraw(enrollment, kv_loop)
             break
@@ -242,17 +275,24 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
                     raise RuntimeError("enroll needs a stage with a KV side channel")
                 from workers.register import EnrollConfig, Enrollment
 
-                etcd_cfg, pipeline_id, stage_rec, ttl = args
-                enrollment = Enrollment(etcd=etcd_cfg, record=None, stages=(stage_rec,), pipeline_id=pipeline_id,
-                                        cfg=EnrollConfig(ttl=ttl))
+                from mesh.etcd import EtcdConfig
+                from mesh.protocol import StageRecord
+
+                etcd_map, pipeline_id, stage_map, ttl = args
+                # this stage's own credentials, from its own environment: none travel on this channel
+                etcd_cfg = EtcdConfig(**{**etcd_map, "endpoints": tuple(etcd_map.get("endpoints") or ()),
+                                         "username": os.environ.get("ATOMESH_ETCD_USERNAME"),
+                                         "password": os.environ.get("ATOMESH_ETCD_PASSWORD")})
+                enrollment = Enrollment(etcd=etcd_cfg, record=None, stages=(StageRecord.decode(stage_map, "stage"),),
+                                        pipeline_id=pipeline_id, cfg=EnrollConfig(ttl=ttl))
                 asyncio.run_coroutine_threadsafe(enrollment.start(), kv_loop).result(60)
-                sock.send(pickle.dumps("ok"))
+                sock.send(ctrl.pack("ok"))
             except Exception as e:  # noqa: BLE001 - told to rank 0, which fails its start clearly
-                sock.send(pickle.dumps(f"error: {e}"))
+                sock.send(ctrl.pack("error", str(e)))
             continue
         if cmd == "forward":  # tensors cross processes in host memory; compute on this rank's device
-            batch, ids = args
-            batch = batch.to(dev)
+            raw_batch, ids = args
+            batch = ctrl.batch_in(raw_batch).to(dev)
             if spec.kind == "tp":
                 model.forward(batch, pool, input_ids=ids.to(dev))
             else:  # pp: hidden from the previous stage, to the next (or logits to stage 0)
@@ -262,12 +302,23 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
                 group.send([out], (spec.rank + 1) % spec.world, 0).wait()
         elif cmd == "write_kv":  # (local layer, block ids, kv [n, 2, kvh, bs, hd])
             layer, blocks, kv = args
-            pool.layers[layer][torch.tensor(blocks, device=dev)] = kv.to(device=dev, dtype=dtype)
+            if _kv_args_ok(pool, layer, blocks, spec.rank):
+                pool.layers[layer][torch.tensor(blocks, device=dev)] = kv.to(device=dev, dtype=dtype)
         elif cmd == "read_kv":
             layer, blocks = args
-            sock.send(pickle.dumps(pool.layers[layer][torch.tensor(blocks, device=dev)].cpu()))
+            if _kv_args_ok(pool, layer, blocks, spec.rank):
+                sock.send(ctrl.pack("tensor", pool.layers[layer][torch.tensor(blocks, device=dev)].cpu()))
+            else:
+                sock.send(ctrl.pack("error", "bad layer or block ids"))
         elif cmd == "ping":
-            sock.send(pickle.dumps("pong"))
+            sock.send(ctrl.pack("pong"))
+
+
+def _kv_args_ok(pool: KVPool, layer: int, blocks: list[int], rank: int) -> bool:
+    if 0 <= layer < len(pool.layers) and all(0 <= b < pool.layers[layer].shape[0] for b in blocks):
+        return True
+    log.error("rank %d: KV command for layer %d, blocks out of the pool: refused", rank, layer)
+    return False
 
 
 class Ranks:
@@ -281,7 +332,9 @@ class Ranks:
     def __init__(self, kind: str, checkpoint: str | Path, engine: EngineConfig, pars: list[Parallel],
                  start_timeout: float = 120.0, kv_backend: str | None = None, kv_host: str = "127.0.0.1",
                  remote_port: int | None = None, bind_host: str = "127.0.0.1",
-                 devices: list[str] | None = None, producer: bool = False) -> None:
+                 devices: list[str] | None = None, producer: bool = False, cancel: Any = None) -> None:
+        """`cancel` (a threading.Event): set, the wait for remote stages ends (SIGTERM during it)."""
+        self.cancel = cancel
         self.kind = kind
         self.world = len(pars)
         devices = devices or [engine.device] * self.world
@@ -297,22 +350,27 @@ class Ranks:
         self.infos: dict[int, dict[str, Any]] = {}
         self._ready: Any = None
         self._lost: set[int] = set()
+        self._peer_fd: dict[int, int] = {}   # a remote stage's connection, once it proved the secret
+        self.bind_host = bind_host
+        secret = ctrl.pipeline_secret(required=True) if self.remote else os.urandom(32)
+        assert secret is not None
+        self.secret = secret
         specs = []
         store_port = remote_port if remote_port is not None else free_port()
         for r in range(1, self.world):
-            s = self._zctx.socket(zmq.PAIR)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDTIMEO, 500)
             if self.remote:
-                _heartbeats(s)
-                s.bind(f"tcp://{bind_host}:{store_port + r}")
+                s, mon = self._bind_remote(store_port + r)
+                self.monitors.append(mon)
                 port = store_port + r
             else:
+                s = self._zctx.socket(zmq.PAIR)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDTIMEO, 500)
                 port = s.bind_to_random_port("tcp://127.0.0.1")
             self.socks.append(s)
             specs.append(RankSpec(kind, str(checkpoint), dataclasses.replace(engine, device=devices[r]), pars[r], r,
                                   self.world, store_port, port, kv_backend, kv_host, backend=self.backend,
-                                  producer=producer))
+                                  producer=producer, secret=secret))
         try:
             if self.remote:
                 self._join_remote(specs, start_timeout, bind_host)
@@ -322,7 +380,79 @@ class Ranks:
             self.close()
             raise
 
+    def _bind_remote(self, port: int) -> tuple[zmq.Socket, zmq.Socket]:
+        s = self._zctx.socket(zmq.PAIR)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, 500)
+        _heartbeats(s)
+        mon = s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        for attempt in range(50):  # bound anew after dropping a peer: the old socket frees the port async
+            try:
+                s.bind(f"tcp://{self.bind_host}:{port}")
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or attempt == 49:
+                    raise
+                import time
+                time.sleep(0.1)
+        return s, mon
+
+    def _accept(self, r: int, deadline: float, then: bytes) -> None:
+        """The head's side of the handshake on rank r's socket, until a peer proves the secret or
+        `deadline`; a peer that fails is dropped (the socket bound anew) and the next one awaited."""
+        import time
+
+        while True:
+            s = self.socks[r - 1]
+            left = deadline - time.monotonic()
+            try:
+                while left > 0 and not s.poll(int(min(left, 1.0) * 1000)):  # 1 s slices: a stop is heard
+                    if self.cancel is not None and self.cancel.is_set():
+                        raise RankDied("stopped while waiting for the stages")
+                    left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RankDied(f"no rank {r} proved the pipeline secret within the start timeout"
+                                   + (f" (start it with mesh stage --pp-rank {r})" if self.remote else ""))
+                _, (rank, n_s) = ctrl.unpack(s.recv(), ("hello",))
+                if rank != r:
+                    raise ProtocolError(f"port for rank {r} got a hello from rank {rank}")
+                n_h = ctrl.nonce()
+                s.send(ctrl.pack("challenge", n_h, ctrl.mac(self.secret, b"head", r, n_s)))
+                if not s.poll(int(max(0.1, min(10.0, deadline - time.monotonic())) * 1000)):
+                    raise ProtocolError("no answer to the challenge")
+                _, (proof,) = ctrl.unpack(s.recv(), ("auth",))
+                if not ctrl.check_mac(self.secret, b"stage", r, n_h, proof):
+                    raise ProtocolError("the proof of the pipeline secret is wrong")
+            except ProtocolError as e:
+                log.warning("rank %d control port: a peer failed the handshake (%s): dropped", r, e.message)
+                if not self.remote:
+                    raise RankDied(f"rank {r} failed the control handshake: {e.message}") from None
+                port = int(s.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+                s.disable_monitor()
+                self.monitors[r - 1].close(0)
+                s.close(0)
+                self.socks[r - 1], self.monitors[r - 1] = self._bind_remote(port)
+                continue
+            s.send(then)
+            if self.remote:
+                self._peer_fd[r] = self._accepted_fd(r)
+            return
+
+    def _accepted_fd(self, r: int) -> int:
+        """The connection a remote stage proved itself on: the newest accepted one still open."""
+        open_fds: list[int] = []
+        mon = self.monitors[r - 1]
+        while mon.poll(0):
+            ev = zmq_monitor.recv_monitor_message(mon)
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                open_fds.append(ev["value"])
+            elif ev["event"] == zmq.EVENT_DISCONNECTED and ev["value"] in open_fds:
+                open_fds.remove(ev["value"])
+        return open_fds[-1] if open_fds else -1
+
     def _spawn(self, specs: list[RankSpec], start_timeout: float) -> None:
+        import time
+
         mpctx = mp.get_context("spawn")
         self._ready = mpctx.Queue()
         for spec in specs:
@@ -330,6 +460,9 @@ class Ranks:
                               daemon=True)
             p.start()
             self.procs.append(p)
+        deadline = time.monotonic() + start_timeout
+        for spec in specs:
+            self._accept(spec.rank, deadline, ctrl.pack("ok"))
         self.group = make_group(0, self.world, specs[0].store_port, backend=self.backend,
                                 device=self.wire.device) if specs else None
         for _ in specs:
@@ -342,20 +475,19 @@ class Ranks:
             self.infos[info[0]] = info[1]
 
     def _join_remote(self, specs: list[RankSpec], start_timeout: float, bind_host: str) -> None:
-        for s, spec in zip(self.socks, specs):
-            if not s.poll(int(start_timeout * 1000)):
-                raise RankDied(f"stage {spec.rank} did not connect to {bind_host}:{spec.ctrl_port} "
-                               f"within {start_timeout:g}s (start it with mesh stage --pp-rank {spec.rank})")
-            hello = pickle.loads(s.recv())
-            if hello != ("hello", spec.rank):
-                raise RankDied(f"port {spec.ctrl_port} expects stage {spec.rank}, got {hello!r}")
-            self.monitors.append(s.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-            s.send(pickle.dumps(spec))
+        import time
+
+        deadline = time.monotonic() + start_timeout
+        for spec in specs:
+            self._accept(spec.rank, deadline, ctrl.pack("spec", ctrl.spec_out(spec)))
         self.group = make_group(0, self.world, specs[0].store_port, bind_host, self.backend, self.wire.device)
         for s, spec in zip(self.socks, specs):
             if not s.poll(int(start_timeout * 1000)):
                 raise RankDied(f"stage {spec.rank} did not get ready within {start_timeout:g}s")
-            status, *info = pickle.loads(s.recv())
+            try:
+                status, info = ctrl.unpack(s.recv(), ("ready", "error"))
+            except ProtocolError as e:
+                raise RankDied(f"stage {spec.rank}: {e.message}") from None
             if status != "ready":
                 raise RankDied(f"stage {spec.rank} failed to start:\n{info[0]}")
             self.infos[info[0]] = info[1]
@@ -367,8 +499,10 @@ class Ranks:
             if not p.is_alive():
                 return f"{p.name} died with exit code {p.exitcode}"
         for r, mon in enumerate(self.monitors, start=1):
-            if _disconnected(mon):
-                self._lost.add(r)
+            while mon.poll(0):  # only the proven stage's connection counts, not any peer's connect
+                ev = zmq_monitor.recv_monitor_message(mon)
+                if ev["event"] == zmq.EVENT_DISCONNECTED and ev["value"] == self._peer_fd.get(r):
+                    self._lost.add(r)
         return f"remote stage {min(self._lost)} disconnected" if self._lost else None
 
     def check(self) -> None:
@@ -386,26 +520,46 @@ class Ranks:
             except zmq.Again:
                 continue
 
+    @staticmethod
+    def _frame(msg: tuple[Any, ...]) -> bytes:
+        """A command as a typed frame: batches and configs as their declared maps and lists."""
+        cmd, *args = msg
+        if cmd == "forward":
+            return ctrl.pack("forward", ctrl.batch_out(args[0]), args[1])
+        if cmd == "enroll":  # no credentials: the stage reads its own from its environment
+            etcd, pipeline_id, stage, ttl = args
+            cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(etcd).items()
+                   if k not in ("username", "password")}
+            return ctrl.pack("enroll", cfg, pipeline_id, stage.encode(), ttl)
+        return ctrl.pack(cmd, *args)
+
     def send(self, rank: int, *msg: Any) -> None:
-        self._send(self.socks[rank - 1], pickle.dumps(msg))
+        self._send(self.socks[rank - 1], self._frame(msg))
 
     def broadcast(self, *msg: Any) -> None:
-        data = pickle.dumps(msg)
+        data = self._frame(msg)
         for s in self.socks:
             self._send(s, data)
 
     def request(self, rank: int, *msg: Any, timeout_ms: int = 60000) -> Any:
+        """A command that answers: a tensor, "pong", "ok", or "error: ..."."""
         self.send(rank, *msg)
         s = self.socks[rank - 1]
         if not s.poll(timeout_ms):
             self.check()
             raise RankDied(f"rank {rank} did not answer {msg[0]!r}")
-        return pickle.loads(s.recv())
+        try:
+            cmd, args = ctrl.unpack(s.recv(), ("tensor", "pong", "ok", "error"))
+        except ProtocolError as e:
+            raise RankDied(f"rank {rank}: {e.message}") from None
+        if cmd == "tensor":
+            return args[0]
+        return f"error: {args[0]}" if cmd == "error" else cmd
 
     def close(self) -> None:
         for s in self.socks:
             try:
-                s.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
+                s.send(ctrl.pack("stop"), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for p in self.procs:

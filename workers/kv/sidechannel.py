@@ -141,22 +141,26 @@ class StageChannel:
         while True:
             frames = await self._router.recv_multipart()
             try:
-                msg = decode_frame(frames[-1])
-            except ProtocolError as e:
+                self._handle(frames[-1])
+            except Exception as e:  # noqa: BLE001 - one frame, whatever it is, never ends the loop
                 self.stats.bad_frames += 1
-                log.warning("stage %d: %s", self.pp_rank, e)
-                continue
-            if isinstance(msg, WriteRequest):
-                self.stats.write_requests += 1
-                t = asyncio.create_task(self._write(msg))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
-            elif isinstance(msg, Release):
-                self.stats.releases_received += 1
-                if self._holder is None or not self._holder.release_rank(msg.transfer_id, msg.tp_rank):
-                    self.stats.duplicate_releases += 1
-            else:
-                self.stats.bad_frames += 1
+                if self.stats.bad_frames & (self.stats.bad_frames - 1) == 0:  # 1st, 2nd, 4th...: no log flood
+                    log.warning("stage %d: bad side-channel frame (%d so far): %s", self.pp_rank,
+                                self.stats.bad_frames, e)
+
+    def _handle(self, frame: bytes) -> None:
+        msg = decode_frame(frame)
+        if isinstance(msg, WriteRequest):
+            self.stats.write_requests += 1
+            t = asyncio.create_task(self._write(msg))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+        elif isinstance(msg, Release):
+            self.stats.releases_received += 1
+            if self._holder is None or not self._holder.release_rank(msg.transfer_id, msg.tp_rank):
+                self.stats.duplicate_releases += 1
+        else:
+            self.stats.bad_frames += 1
 
     async def _write(self, req: WriteRequest) -> None:
         # stage 0 holds the transfer; later stages trust stage 0's block ids (holder None)
@@ -276,13 +280,13 @@ class ConsumerChannel:
             frames = await self._router.recv_multipart()
             try:
                 msg = decode_frame(frames[-1])
-            except ProtocolError:
+                if not isinstance(msg, WriteDone):
+                    raise ProtocolError("not a write_done")
+                self._on_write_done(msg)
+            except Exception as e:  # noqa: BLE001 - one frame, whatever it is, never ends the loop
                 self.stats.bad_frames += 1
-                continue
-            if not isinstance(msg, WriteDone):
-                self.stats.bad_frames += 1
-                continue
-            self._on_write_done(msg)
+                if self.stats.bad_frames & (self.stats.bad_frames - 1) == 0:
+                    log.warning("decode side channel: bad frame (%d so far): %s", self.stats.bad_frames, e)
 
     def _on_write_done(self, msg: WriteDone) -> None:
         r = self._pending.get(msg.transfer_id)

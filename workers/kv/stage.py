@@ -30,11 +30,12 @@ class KVEndpoint:
     transport: Transport
     regions: list[int]          # base address of each local layer's pool
     layout: Layout
+    num_blocks: int = 0
 
 
 def register_pool(pool: KVPool, backend: str, host: str) -> KVEndpoint:
     t = create(backend, host)
-    return KVEndpoint(t, t.register(pool.layers), pool_layout(pool))
+    return KVEndpoint(t, t.register(pool.layers), pool_layout(pool), int(pool.layers[0].shape[0]))
 
 
 def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int, head0: int = 0) -> Any:
@@ -44,6 +45,8 @@ def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int, head0: int = 0
         lay = req.extra.get("layout") or {}
         dst = Layout(kv_heads=rank.head_end - rank.head_start, block_size=int(lay.get("block_size", 0)),
                      head_dim=int(lay.get("head_dim", 0)), elem=int(lay.get("elem", 0)))
+        if any(not 0 <= b < ep.num_blocks for b in req.src_block_ids):
+            raise ValueError(f"source block ids outside this stage's pool of {ep.num_blocks}")
         if len(rank.region_addrs) < layer_end:
             raise ValueError(f"consumer rank {rank.tp_rank} lists {len(rank.region_addrs)} layers; "
                              f"this stage needs up to layer {layer_end}")

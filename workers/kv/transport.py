@@ -146,6 +146,8 @@ class ZmqTransport:
     def _read(self, src: list[int], lengths: list[int]) -> bytes:
         """The source ranges' bytes: host memory directly, device memory in one gather + copy."""
         regs = [self._region(s, n) for s, n in zip(src, lengths)]
+        if any(r is None or n <= 0 for r, n in zip(regs, lengths)):
+            raise KVTransferError("a source range is outside the registered pools")
         if all(r is None or r.flat is None for r in regs):
             return b"".join(ctypes.string_at(s, n) for s, n in zip(src, lengths))
         parts = []
@@ -184,17 +186,36 @@ class ZmqTransport:
         while not self._stop:
             if not poller.poll(200):
                 continue
-            ident, head, payload = self._recv.recv_multipart(copy=False)
-            dst, lengths = msgpack.unpackb(head.bytes)
-            buf = payload.buffer
-            err = ""
-            with self._lock:
-                bad = [(d, n) for d, n in zip(dst, lengths) if not self._inside(d, n)]
-                if bad or sum(lengths) != len(buf):
-                    err = f"{len(bad)} range(s) outside the registered regions" if bad else "payload size mismatch"
-                else:
-                    self._land(dst, lengths, buf)
-            self._recv.send_multipart([ident.bytes, err.encode()])
+            frames = self._recv.recv_multipart(copy=False)
+            try:
+                err = self._receive(frames)
+            except Exception as e:  # noqa: BLE001 - a frame, whatever it is, never ends the receiver
+                err = f"bad KV frame: {e.__class__.__name__}"
+            if err:
+                log.warning("zmq KV receiver: %s", err)
+            if len(frames) >= 1:
+                self._recv.send_multipart([frames[0].bytes, err.encode()])
+
+    def _receive(self, frames: list[Any]) -> str:
+        """One KV write: [ident, msgpack [dst addrs, lengths], payload]; every range positive, inside
+        a registered region, and the lengths summing to the payload; else refused, nothing landed."""
+        if len(frames) != 3:
+            return f"{len(frames)} frames where 3 are due"
+        head = msgpack.unpackb(frames[1].bytes)
+        if not (isinstance(head, list) and len(head) == 2 and all(isinstance(x, list) for x in head)
+                and len(head[0]) == len(head[1])
+                and all(type(v) is int for x in head for v in x)):
+            return "bad KV frame header"
+        dst, lengths = head
+        buf = frames[2].buffer
+        if any(n <= 0 for n in lengths) or any(d < 0 for d in dst):
+            return "ranges must have positive lengths and addresses"
+        with self._lock:
+            bad = [(d, n) for d, n in zip(dst, lengths) if not self._inside(d, n)]
+            if bad or sum(lengths) != len(buf):
+                return f"{len(bad)} range(s) outside the registered regions" if bad else "payload size mismatch"
+            self._land(dst, lengths, buf)
+        return ""
 
     def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
         if not src:
