@@ -17,7 +17,8 @@ import asyncio
 import logging
 import random
 import time
-from typing import Callable
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import aetcd
 import orjson
@@ -31,6 +32,29 @@ from mesh.snapshot import Worker
 log = logging.getLogger(__name__)
 
 
+def check_record(rec: Any, where: str) -> Any:
+    """What a worker record must be before anything is routed to it: an http(s) URL with a host,
+    no userinfo, an ASCII port in 1..65535; sizes >= 1; a known dialect and capabilities."""
+    check_url(rec.url, where + ".url")
+    check_dialect(rec.dialect, where + ".dialect")
+    check_capabilities(rec.capabilities, where + ".capabilities")
+    for f in ("pp_size", "tp_size", "block_size"):
+        if getattr(rec, f, 1) < 1:
+            raise ProtocolError(f"{where}.{f} must be >= 1")
+    if rec.num_blocks < 0:
+        raise ProtocolError(f"{where}.num_blocks must be >= 0")
+    return rec
+
+
+def check_url(url: str, where: str) -> None:
+    p = urlsplit(url)
+    port = url.split("://", 1)[-1].split("/", 1)[0].rpartition(":")[2] if p.port is not None else ""
+    if p.scheme not in ("http", "https") or not p.hostname or p.username is not None or p.password is not None \
+            or (port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)):
+        raise ProtocolError(f"{where}: {url!r} is not an http(s) URL with a host and a port in 1..65535",
+                            param=where)
+
+
 def build_workers(keys: Keys, kv: dict[bytes, bytes]) -> tuple[tuple[Worker, ...], dict[str, MeshRecord],
                                                                  dict[str, dict[int, StageLiveness]]]:
     """Routable workers, mesh replicas and live stages from the raw key/values."""
@@ -39,28 +63,27 @@ def build_workers(keys: Keys, kv: dict[bytes, bytes]) -> tuple[tuple[Worker, ...
     meshes: dict[str, MeshRecord] = {}
     stages: dict[str, dict[int, StageLiveness]] = {}
     for key, value in kv.items():
-        what = keys.parse(key)
-        if what is None:
-            continue
-        kind, ident, rank = what
-        try:
+        name = key.decode("utf-8", "replace")
+        what = None
+        try:  # one key at a time: a bad key or record is skipped, never the whole registry
+            key.decode("utf-8")   # a key that is not UTF-8 is not one of ours
+            what = keys.parse(key)
+            if what is None:
+                continue
+            kind, ident, rank = what
             data = orjson.loads(value)
             if kind == "prefill":
-                pipelines[ident] = PrefillRecord.decode(data, key.decode())
-                check_dialect(pipelines[ident].dialect, key.decode() + ".dialect")
-                check_capabilities(pipelines[ident].capabilities, key.decode() + ".capabilities")
+                pipelines[ident] = check_record(PrefillRecord.decode(data, name), name)
             elif kind == "decode":
-                decodes[ident] = DecodeRecord.decode(data, key.decode())
-                check_dialect(decodes[ident].dialect, key.decode() + ".dialect")
-                check_capabilities(decodes[ident].capabilities, key.decode() + ".capabilities")
+                decodes[ident] = check_record(DecodeRecord.decode(data, name), name)
             elif kind == "mesh":
-                meshes[ident] = MeshRecord.decode(data, key.decode())
+                meshes[ident] = MeshRecord.decode(data, name)
             else:
-                stages.setdefault(ident, {})[rank] = StageLiveness.decode(data, key.decode())  # type: ignore[index]
-        except (orjson.JSONDecodeError, ProtocolError) as e:
-            if kind in ("prefill", "decode"):
-                (pipelines if kind == "prefill" else decodes).pop(ident, None)
-            log.warning("ignoring bad registry value at %s: %s", key.decode(), e)
+                stages.setdefault(ident, {})[rank] = StageLiveness.decode(data, name)  # type: ignore[index]
+        except Exception as e:  # noqa: BLE001 - whatever a key holds, the others still count
+            if what is not None and what[0] in ("prefill", "decode"):
+                (pipelines if what[0] == "prefill" else decodes).pop(what[1], None)
+            log.warning("ignoring bad registry value at %r: %s", name[:200], e)
     out: list[Worker] = []
     for pid, rec in sorted(pipelines.items()):
         live = stages.get(pid, {})
@@ -158,6 +181,10 @@ class EtcdRegistry:
                             type(e).__name__, e, self._rev)
                 self._set_stale(True)
                 self._endpoint += 1
+            except Exception:  # noqa: BLE001 - anything else: say so, show stale, list everything again
+                log.exception("registry watch broke; listing again")
+                self._set_stale(True)
+                self._rev = None
             finally:
                 try:
                     await client.close()
