@@ -133,12 +133,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     status = 500
     rid = None
     try:
+        h = request.headers
+        # the key before the body: an unauthenticated client gets its 401 without us reading a byte
+        key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"body exceeds the limit of {st.cfg.limits.max_body_bytes} bytes") from None
-        h = request.headers
-        key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
         creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
@@ -345,7 +346,8 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
 
 async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start serving `app`; returns the runner (call `cleanup()` to stop)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # idle keep-alive connections close after 75 s (aiohttp's default is about an hour)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=75.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
     await site.start()

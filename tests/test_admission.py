@@ -76,3 +76,26 @@ async def test_api_keys_and_per_key_limit(make_pd, http):
     async with http.get(pd.url + "/metrics") as r:
         text = await r.text()
     assert keys[0] not in text and keys[1] not in text
+
+
+async def test_the_api_key_is_checked_before_the_body_is_read(make_pd):
+    """An unauthenticated client announcing 8 MB gets its 401 after the headers alone."""
+    from urllib.parse import urlsplit
+
+    pd = await make_pd(SLOW, api_keys=("k" * 20,))
+    u = urlsplit(pd.url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer wrong\r\nContent-Length: 8000000\r\n\r\n{\"model\"")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)   # without sending the rest
+    assert head.startswith(b"HTTP/1.1 401")
+    writer.close()
+
+
+async def test_json_nested_too_deeply_is_a_400(make_pd, http):
+    pd = await make_pd()
+    deep = "[" * 1000 + "]" * 1000
+    raw = ('{"model": "mock-model", "prompt": "x", "max_tokens": 2, "metadata": ' + deep + "}").encode()
+    async with http.post(pd.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400 and "nested too deeply" in (await r.json())["error"]["message"]
