@@ -115,7 +115,9 @@ class Leg:
                     if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
                         self.failed("kv_transfer", passive=False)
                         raise KVSourceLost(f"decode worker {w.id} could not pull the KV: {_error_message(body)}")
-                    self.failed(f"status_{resp.status // 100}xx", passive=resp.status >= 500)
+                    # a 503 is capacity (e.g. kv_exhausted) or a worker saying it is out: counted,
+                    # but it does not open the breaker (the health probe takes out what is down)
+                    self.failed(f"status_{resp.status // 100}xx", passive=resp.status >= 500 and resp.status != 503)
                     raise upstream_status_error(role, w, resp.status, body)
                 first = await (resp.readany() if stream else resp.read())
             if not first:

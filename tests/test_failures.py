@@ -231,3 +231,20 @@ async def test_kv_pull_failure_after_token_zero_ends_the_stream_with_an_error(ma
     assert code == 200 and raw.count(b"data: {") == 2  # the role + token 0 chunk, then the error
     assert b"event: error" in raw and b'"kv_transfer_failed"' in raw
     assert await pd.wait_released() == 0
+
+
+@pytest.mark.parametrize("status,opens", [(503, False), (500, True)])
+async def test_capacity_answers_do_not_open_the_breaker(make_pd, http, status, opens):
+    """A worker saying 503 (capacity: kv_exhausted, busy) stays routable; a 500 opens its breaker."""
+    pd = await make_pd(FleetSpec(prefill=2, decode=1), prefill_policy="round_robin", unhealthy_after=1)
+    bad = pd.fleet.prefills[0]
+    bad.faults = MockFaults(status=status)
+    for i in range(2):
+        async with http.post(pd.url + "/v1/completions", json={**BODY, "prompt": f"cap {i}"}) as r:
+            assert r.status == 200   # re-paired on the other pipeline
+    assert pd.state.fleet.healthy(_pid(pd, bad)) is not opens
+
+
+def _pid(pd, w) -> str:
+    (wid,) = [x.id for x in pd.state.fleet.workers() if x.url == w.url]
+    return wid
