@@ -70,6 +70,7 @@ class Fleet:
         self.kv_free: dict[str, int] = {}         # free KV blocks per pipeline: probed, then tracked
         self._fails: dict[str, int] = {}          # consecutive failed calls (the circuit breaker)
         self._probe_fails: dict[str, int] = {}    # consecutive failed /load probes
+        self._last_ok: dict[str, float] = {}      # when a call to the worker last went well
         self._no_load: set[str] = set()           # workers without /load: probed at /health
         self.learnt_caps: dict[str, tuple[str, ...]] = {}  # from /load, for workers that declare none
         self.cards: dict[str, dict[str, object]] = {}      # the worker's own /v1/models entry (max_model_len, root...)
@@ -106,7 +107,7 @@ class Fleet:
         ws = self.workers()
         ids = {w.id for w in ws}
         self._healthy &= ids
-        for d in (self._fails, self._probe_fails, self._open_until, self.loads, self.models, self.kv_free,
+        for d in (self._fails, self._probe_fails, self._last_ok, self._open_until, self.loads, self.models, self.kv_free,
                   self.learnt_caps, self.cards, self._unaccounted_since, self.kv_unaccounted):
             for k in [k for k in d if k not in ids]:
                 del d[k]
@@ -130,6 +131,7 @@ class Fleet:
 
     def succeeded(self, worker_id: str) -> None:
         """A call went well: close the breaker (cheap when it was closed already)."""
+        self._last_ok[worker_id] = time.monotonic()
         if self._fails.get(worker_id):
             self._fails[worker_id] = 0
             self._open_until.pop(worker_id, None)
@@ -215,6 +217,8 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, ProtocolError, orjson.JSONDecodeError,
                 AttributeError, KeyError, TypeError) as e:
             log.debug("probe of %s failed: %s", w.id, e)
+            if isinstance(e, TimeoutError) and time.monotonic() - self._last_ok.get(w.id, -1e9) < 2 * timeout:
+                return  # a slow probe of a worker that is answering calls right now is not a failure
             n = self._probe_fails[w.id] = self._probe_fails.get(w.id, 0) + 1
             if n >= self.unhealthy_after:
                 self._healthy.discard(w.id)

@@ -103,3 +103,42 @@ async def test_a_stage_writes_only_blocks_of_its_own_pool():
             await write(req, rank)
     finally:
         ep.transport.close()
+
+
+async def test_a_stage_without_the_holder_serves_only_what_stage_0_granted():
+    """Stage 1 (no holder) writes only for a request carrying stage 0's grant of that transfer on
+    exactly those blocks: a forged request, or other block ids, are refused."""
+    import dataclasses
+
+    from workers.engine.ctrl import kv_grant
+    from workers.kv.sidechannel import StageChannel
+
+    key = b"k" * 32
+    holder = TransferHolder(BlockPool(16))
+    blocks = holder.pool.alloc(2)
+    holder.hold("t1", blocks, consumers=1)
+    wrote: list[tuple[int, ...]] = []
+
+    async def write(req: WriteRequest, rank: ConsumerRank) -> None:
+        wrote.append(req.src_block_ids)
+
+    stages = [StageChannel(host="127.0.0.1", port=0, pp_rank=0, holder=holder, writer=write),
+              StageChannel(host="127.0.0.1", port=0, pp_rank=1, holder=None, writer=write, grant_key=key)]
+    for s in stages:
+        await s.start()
+    consumer = ConsumerChannel(host="127.0.0.1")
+    await consumer.start()
+    try:
+        p = params(stages, blocks)
+        with pytest.raises(KVTransferError, match="stage 1"):   # no grant
+            await consumer.pull(p, ranks(1), (3, 4), request_id="r", deadline_s=5)
+        forged = dataclasses.replace(p, extra={**p.extra, "kv_grant": kv_grant(key, "t1", tuple(b + 5 for b in blocks))})
+        with pytest.raises(KVTransferError, match="stage 1"):
+            await consumer.pull(forged, ranks(1), (3, 4), request_id="r", deadline_s=5)
+        assert all(w == tuple(blocks) for w in wrote)   # only stage 0 (which holds them) wrote
+        good = dataclasses.replace(p, extra={**p.extra, "kv_grant": kv_grant(key, "t1", tuple(blocks))})
+        await consumer.pull(good, ranks(1), (3, 4), request_id="r", deadline_s=5)
+    finally:
+        await consumer.close()
+        for s in stages:
+            await s.close()

@@ -48,7 +48,7 @@ def mooncake_pair(tmp_path_factory) -> Iterator[dict[str, Any]]:
 def mesh(mooncake_pair, tmp_path_factory) -> Iterator[str]:
     """`mesh serve` from TOML: the prefill with its bootstrap port, both with the upstream key."""
     toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
-    lines = ["[mesh]", "health_interval = 1.0", "[mesh.timeouts]", "prefill = 60", "decode_first_byte = 60"]
+    lines = ["[mesh]", "health_interval = 2.0", "[mesh.timeouts]", "prefill = 60", "decode_first_byte = 60"]
     for role in ("prefill", "decode"):
         lines += [f"[[{role}]]", f'id = "mc-{role}"', f'url = "{mooncake_pair[role]}"', f'model = "{MODEL}"',
                   'dialect = "vllm-mooncake"', f'api_key_env = "{KEY_ENV}"']

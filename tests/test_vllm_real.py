@@ -135,7 +135,7 @@ def upstream_key() -> Iterator[None]:
 
 def _serve(tmp_path_factory: Any, lines: list[str]) -> Proc:
     toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
-    toml.write_text("\n".join(["[mesh]", "health_interval = 1.0", "[mesh.timeouts]", "prefill = 60",
+    toml.write_text("\n".join(["[mesh]", "health_interval = 2.0", "[mesh.timeouts]", "prefill = 60",
                                "decode_first_byte = 60", *lines]) + "\n")
     return Proc([MESH_BIN, "serve", "--port", "0", "--config", str(toml)], "mesh ", {KEY_ENV: KEY})
 

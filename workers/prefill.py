@@ -22,6 +22,7 @@ from mesh.errors import InvalidRequest, ProtocolError
 from mesh.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
 from workers.engine.pp import PPEngine
 from workers.engine.tp import TPEngine
+from workers.engine.ctrl import kv_grant
 from workers.kv.holder import Held, TransferHolder
 from workers.kv.sidechannel import StageChannel
 from workers.kv.stage import make_writer, register_pool
@@ -142,6 +143,8 @@ class PrefillServer(EngineServer):
             first_token_id=o.new_tokens[0], remote_pp_size=len(st), tp_size=getattr(self.pp, "tp_size", 1), dp_rank=0,
             stages=st,
             extra={"kv_backend": self.kv_backend,
+                   **({"kv_grant": kv_grant(self.pp.ranks.secret, tid, tuple(seq.blocks))}
+                      if getattr(self.pp, "ranks", None) is not None else {}),
                    **({"first_token_logprobs": [o.logprobs[0][0], [list(x) for x in o.logprobs[0][1]]]}
                       if o.logprobs else {})})
         tok = self.engine.tokenizer

@@ -217,6 +217,13 @@ def mac(secret: bytes, role: bytes, rank: int, nonce: bytes) -> bytes:
     return hmac.new(secret, role + b"|" + str(rank).encode() + b"|" + nonce, hashlib.sha256).digest()
 
 
+def kv_grant(secret: bytes, transfer_id: str, blocks: tuple[int, ...] | list[int]) -> str:
+    """Stage 0's word to the pipeline's other stages (and a TP prefill's other ranks) that it holds
+    `transfer_id` on exactly these blocks: they serve a write request only with it."""
+    msg = b"kv|" + transfer_id.encode() + b"|" + ",".join(map(str, blocks)).encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
 def nonce() -> bytes:
     return os.urandom(32)
 

@@ -246,10 +246,12 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
             info = {"segment": ep.transport.segment, "regions": ep.regions}
             if spec.kind == "pp":
                 info["kv_port"], kv_loop = start_stage_thread(ep, spec.kv_host, spec.par.pp_rank,
-                                                              spec.par.layer_start, spec.par.layer_end)
+                                                              spec.par.layer_start, spec.par.layer_end,
+                                                              grant_key=spec.secret)
             elif spec.producer:  # TP prefill rank r: every layer, its slice of the KV heads
                 info["kv_port"], kv_loop = start_stage_thread(ep, spec.kv_host, spec.rank, 0, mc.num_hidden_layers,
-                                                              head0=spec.rank * model.kv_heads)
+                                                              head0=spec.rank * model.kv_heads,
+                                                              grant_key=spec.secret)
         except Exception:  # noqa: BLE001 - reported to the parent
             ack(("error", traceback.format_exc()))
             return

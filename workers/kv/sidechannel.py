@@ -14,6 +14,7 @@ notify port; senders use one DEALER per peer address, kept open.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import random
 import secrets
@@ -103,7 +104,11 @@ class StageChannel:
     """The producer side of one prefill stage: serves write_request and (stage 0) release."""
 
     def __init__(self, *, host: str, port: int, pp_rank: int, holder: Holder | None, writer: Writer,
-                 write_done_repeats: int = 3, faults: ChannelFaults = ChannelFaults()) -> None:
+                 write_done_repeats: int = 3, faults: ChannelFaults = ChannelFaults(),
+                 grant_key: bytes | None = None) -> None:
+        """`grant_key` (a stage without the holder): serve only write requests that carry stage 0's
+        grant for their transfer and blocks (`ctrl.kv_grant`)."""
+        self._grant_key = grant_key
         if write_done_repeats < 1:
             raise ValueError("write_done_repeats must be >= 1")
         self.host, self.port, self.pp_rank = host, port, pp_rank
@@ -163,8 +168,14 @@ class StageChannel:
             self.stats.bad_frames += 1
 
     async def _write(self, req: WriteRequest) -> None:
-        # stage 0 holds the transfer; later stages trust stage 0's block ids (holder None)
+        # stage 0 holds the transfer; later stages serve the block ids stage 0 granted (holder None)
         held = self._holder.blocks_of(req.transfer_id) if self._holder is not None else req.src_block_ids
+        if self._holder is None and self._grant_key is not None:
+            from workers.engine.ctrl import kv_grant
+
+            want = kv_grant(self._grant_key, req.transfer_id, req.src_block_ids)
+            if not hmac.compare_digest(want, str(req.extra.get("kv_grant", ""))):
+                held = None
         if held is not None and self._holder is not None:
             self._holder.expect_consumers(req.transfer_id, len(req.ranks))
         for rank in req.ranks:
@@ -249,7 +260,9 @@ class ConsumerChannel:
         req = WriteRequest(request_id=request_id, transfer_id=params.transfer_id,
                            src_block_ids=params.remote_block_ids, dst_block_ids=dst_block_ids,
                            ranks=ranks, notify_host=self.host, notify_port=self.port,
-                           write_nonce=nonce, extra=extra or {})
+                           write_nonce=nonce,
+                           extra={**(extra or {}), **({"kv_grant": params.extra["kv_grant"]}
+                                                      if isinstance(params.extra.get("kv_grant"), str) else {})})
         frame = encode_frame(req)
         try:
             for st in stages:

@@ -58,7 +58,8 @@ def make_writer(ep: KVEndpoint, layer_start: int, layer_end: int, head0: int = 0
 
 
 def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int, layer_end: int,
-                       holder: Holder | None = None, head0: int = 0) -> tuple[int, asyncio.AbstractEventLoop]:
+                       holder: Holder | None = None, head0: int = 0,
+                       grant_key: bytes | None = None) -> tuple[int, asyncio.AbstractEventLoop]:
     """Run a stage's side-channel server on its own thread and loop; returns its kv port and that
     loop (the stage's etcd enrollment runs there too)."""
     ready: list[tuple[int, asyncio.AbstractEventLoop]] = []
@@ -66,7 +67,7 @@ def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int
 
     async def serve() -> None:
         ch = StageChannel(host=host, port=0, pp_rank=pp_rank, holder=holder,
-                          writer=make_writer(ep, layer_start, layer_end, head0))
+                          writer=make_writer(ep, layer_start, layer_end, head0), grant_key=grant_key)
         await ch.start()
         ready.append((ch.port, asyncio.get_running_loop()))
         ev.set()
