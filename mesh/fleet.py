@@ -217,8 +217,12 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, ProtocolError, orjson.JSONDecodeError,
                 AttributeError, KeyError, TypeError) as e:
             log.debug("probe of %s failed: %s", w.id, e)
-            if isinstance(e, TimeoutError) and time.monotonic() - self._last_ok.get(w.id, -1e9) < 2 * timeout:
-                return  # a slow probe of a worker that is answering calls right now is not a failure
+            if isinstance(e, TimeoutError) and (self.in_flight.get(w.id, 0) > 0
+                                                or time.monotonic() - self._last_ok.get(w.id, -1e9) < 2 * timeout):
+                # a slow probe of a worker that is answering calls, or busy with some (an engine's
+                # first request of a kind can block its /health for seconds), is not a failure: a
+                # worker that is really stuck fails those calls, and the passive breaker takes it out
+                return
             n = self._probe_fails[w.id] = self._probe_fails.get(w.id, 0) + 1
             if n >= self.unhealthy_after:
                 self._healthy.discard(w.id)
