@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import MESH_BIN, Proc
-from tests.test_vllm_real import (CASES, KEY, KEY_ENV, MODEL, VLLM_PY, assert_same, call, client, close_clients,
+from tests.test_vllm_real import (CASES, KEY, KEY_ENV, MODEL, assert_same, call, client, close_clients,
                                   engine_pair, metric, upstream_key, wait_metric)
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,14 +33,7 @@ async def external_tokens(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def mooncake_pair(tmp_path_factory) -> Iterator[dict[str, Any]]:
-    from workers.engine.checkpoint import generate, vllm_tiny_config, write_tokenizer
-
-    assert VLLM_PY.exists(), "make test installs the real vLLM into .venv-vllm"
-    d = tmp_path_factory.mktemp("vllm-mooncake")
-    ckpt = d / MODEL
-    write_tokenizer(ckpt, 4096)
-    generate(ckpt, vllm_tiny_config(), seed=3)
-    with engine_pair(ckpt, d, "mooncake") as pair:
+    with engine_pair(tmp_path_factory.mktemp("vllm-mooncake"), "mooncake") as pair:
         yield pair
 
 

@@ -96,20 +96,20 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def vllm_pair(tmp_path_factory) -> Iterator[dict[str, Any]]:
-    from workers.engine.checkpoint import generate, vllm_tiny_config, write_tokenizer
-
-    assert VLLM_PY.exists(), "make test installs the real vLLM into .venv-vllm"
-    d = tmp_path_factory.mktemp("vllm")
-    ckpt = d / MODEL
-    write_tokenizer(ckpt, 4096)
-    generate(ckpt, vllm_tiny_config(), seed=3)
-    with engine_pair(ckpt, d, "nixl") as pair:
+    with engine_pair(tmp_path_factory.mktemp("vllm"), "nixl") as pair:
         yield pair
 
 
 @contextlib.contextmanager
-def engine_pair(ckpt: Path, d: Path, connector: str) -> Iterator[dict[str, Any]]:
-    """A producer on core 0 and a consumer on core 1, stopped by pid when the block ends."""
+def engine_pair(d: Path, connector: str) -> Iterator[dict[str, Any]]:
+    """A Llama checkpoint with a BPE tokenizer in `d`, then a producer on core 0 and a consumer on
+    core 1 serving it, stopped by pid when the block ends."""
+    from workers.engine.checkpoint import generate, vllm_tiny_config, write_tokenizer
+
+    assert VLLM_PY.exists(), "make test installs the real vLLM into .venv-vllm"
+    ckpt = d / MODEL
+    write_tokenizer(ckpt, 4096)
+    generate(ckpt, vllm_tiny_config(), seed=3)
     engines = [Engine(ckpt, "producer", 0, d / f"producer-{connector}.log", connector),
                Engine(ckpt, "consumer", 1, d / f"consumer-{connector}.log", connector)]
     try:
