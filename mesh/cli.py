@@ -297,6 +297,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    "one per stage / rank (cuda:0,cuda:1,...: with distinct GPUs the ranks talk over NCCL); "
                    "with --kv-backend zmq on GPUs: Mooncake's CUDA build is not bundled")
     p.add_argument("--ttl", type=int, default=10, help="etcd lease TTL")
+    p.add_argument("--inject-faults", metavar="JSON", help="chaos testing: faults this worker commits on purpose, "
+                   "e.g. '{\"drop_release\": 0.2, \"crash_after_pull\": 0.05}' (the names of `mesh mock-fleet`'s "
+                   "POST /mock/faults)")
     add_etcd_options(p)
     p.set_defaults(func=cmd_worker)
 

@@ -93,13 +93,13 @@ async def test_sglang_sends_one_room_to_both_legs_at_once(make_pd, http):
     pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect="sglang"))
     seen: list[dict] = []
     pre = pd.fleet.prefills[0]
-    orig = pre.generate
+    orig = pre.handle
 
-    async def spy(request, kind, body):
+    async def spy(request, gen, body):
         seen.append(body)
-        return await orig(request, kind, body)
+        return await orig(request, gen, body)
 
-    pre.generate = spy  # type: ignore[method-assign]
+    pre.handle = spy  # type: ignore[method-assign]
     async with http.post(pd.url + "/v1/completions", json={**BODY, "stream": True}) as r:
         assert r.status == 200
         await r.read()
@@ -158,7 +158,7 @@ async def test_vllm_kv_left_unread_is_freed_by_the_engine_timeout(make_pd, http)
         assert set((await r.json())["error"]) == {"message", "type", "param", "code"}
     assert len(pd.fleet.prefills[0].holder) == 1  # the mesh cannot release a vLLM engine's blocks ...
     await held_nowhere(pd.fleet)                   # ... its abort timeout does
-    assert pd.fleet.prefills[0].holder.pool.free == pd.fleet.prefills[0].holder.pool.num_blocks
+    assert pd.fleet.prefills[0].engine.blocks.free == pd.fleet.prefills[0].engine.blocks.num_blocks
 
 
 async def test_mixed_fleet_pairs_each_pipeline_with_its_own_dialect(http):

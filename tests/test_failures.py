@@ -113,7 +113,7 @@ async def test_client_disconnect_during_prefill(make_pd, http):
     await asyncio.sleep(0.5)
     assert pd.fleet.decodes[0].requests == 0
     assert await pd.wait_released() == 0
-    assert pd.fleet.prefills[0].holder.pool.free == pd.fleet.prefills[0].holder.pool.num_blocks
+    assert pd.fleet.prefills[0].engine.blocks.free == pd.fleet.prefills[0].engine.blocks.num_blocks
 
 
 async def test_client_disconnect_between_legs_releases(make_pd, http):
@@ -155,10 +155,13 @@ async def test_no_healthy_decode_is_503(make_pd, http):
         assert r.status == 503
 
 
-async def test_kv_pool_exhausted_is_503(make_pd, http):
+async def test_prompt_larger_than_the_kv_pool_is_a_clear_400(make_pd, http):
+    """The engine's scheduler refuses a prompt no pool here can ever hold (the mock fleet runs the
+    real adapters and scheduler): a 4xx that says why, not a 503 to retry."""
     pd = await make_pd(FleetSpec(prefill=1, decode=1, num_blocks=2))
     code, raw = await post(http, pd.url, {**BODY, "prompt": "x" * 100})
-    assert code == 503 and err(raw)
+    assert code == 400 and "needs more KV blocks than the pool has" in err(raw)["message"]
+    assert pd.fleet.prefills[0].engine.blocks.free == 2
 
 
 async def test_prefill_failure_retried_on_a_new_pair_with_backoff(make_pd, http):

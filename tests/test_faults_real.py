@@ -223,3 +223,67 @@ async def test_a_leak_raises_the_alarm_within_the_grace_and_clears_when_accounte
         await runner.cleanup()
         await prunner.cleanup()
         dec.stop()
+
+
+async def test_randomized_faults_and_leaving_clients_on_real_workers(ckpt):
+    """The randomized ledger/fault scenario (tests/test_ledger.py runs it at scale on the mock fleet,
+    through the same adapters) on real engine processes: a PP=2 prefill that loses write_done frames,
+    a TP=2 decode that loses releases and crashes before and after its pulls, and clients that leave
+    at random points, during the prefill included. Afterwards both pools are back to their starting
+    free count with every block accounted for, nothing is held and the ledger is empty."""
+    import random
+
+    rng = random.Random(int(os.environ.get("ATOMESH_FAULT_SEED", "20261203")))
+    quiet = [MESH_BIN, "--log-level", "ERROR"]
+    common = ["--checkpoint", str(ckpt), "--kv-backend", "zmq", "--block-size", "4", "--num-blocks", "512",
+              "--max-batch-tokens", "16"]
+    pre = await asyncio.to_thread(Proc, [*quiet, "prefill", *common, "--pp-size", "2",
+                                         "--inject-faults", '{"drop_write_done": 0.25}'], "ready", None, 120)
+    dec = await asyncio.to_thread(Proc, [*quiet, "decode", *common, "--tp-size", "2", "--inject-faults",
+                                         '{"drop_release": 0.25, "crash_before_pull": 0.05, "crash_after_pull": 0.08}'],
+                                  "ready", None, 120)
+    purl, durl = pre.lines[-2].split()[1], dec.lines[-2].split()[1]
+    app, runner, url = await mesh_over([purl], [durl], unhealthy_after=10 ** 6, decode_retries=1)
+    outcomes: dict[str, int] = {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "prompt": f"r{i} " + "x" * rng.randint(4, 400), "max_tokens": rng.randint(2, 10),
+                        "temperature": 0, "ignore_eos": True, "stream": rng.random() < 0.5}
+                leave_after = rng.choice([None, None, rng.uniform(0.01, 0.6)])
+                try:
+                    async with asyncio.timeout(leave_after):
+                        async with s.post(url + "/v1/completions", json=body) as r:
+                            raw = await r.read()
+                            key = str(r.status)
+                            if r.status != 200:
+                                assert b'"error"' in raw and b"Traceback" not in raw, raw[:300]
+                except TimeoutError:
+                    key = "left"
+                outcomes[key] = outcomes.get(key, 0) + 1
+
+            sem = asyncio.Semaphore(6)
+
+            async def limited(i: int) -> None:
+                async with sem:
+                    await one(i)
+
+            await asyncio.gather(*(limited(i) for i in range(40)))
+        print("\noutcomes on real workers with faults:", outcomes, "ledger:", dict(app[STATE].ledger.totals))
+        assert outcomes.get("200", 0) >= 10 and outcomes.get("left", 0) >= 3
+        await nothing_held([purl], app, timeout=20)
+        led = app[STATE].ledger
+        assert sum(led.totals.values()) == led.began and not led.by_transfer
+        deadline = time.monotonic() + 20
+        for u in (purl, durl):
+            while True:
+                load = httpx.get(u + "/load").json()
+                if load["free_blocks"] == 512 and load["in_flight"] == 0:
+                    assert load["held_blocks"] == load["running_blocks"] == 0, load
+                    break
+                assert time.monotonic() < deadline, (u, load)
+                await asyncio.sleep(0.1)
+    finally:
+        await runner.cleanup()
+        dec.stop()
+        pre.stop()

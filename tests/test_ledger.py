@@ -75,8 +75,9 @@ async def test_restarted_mesh_adopts_and_reclaims_what_it_left_held(http):
             assert r.status == 502
         assert app[STATE].ledger.totals == {"RECLAIMED": 1}
         # ...but a mesh that dies first leaves the KV held: simulate it by holding one by hand
-        fleet.prefills[0].holder.hold("orphan-1", fleet.prefills[0].holder.pool.alloc(3), mesh_id="mesh-stable")
-        fleet.prefills[0].holder.hold("other-mesh", fleet.prefills[0].holder.pool.alloc(2), mesh_id="mesh-other")
+        p0 = fleet.prefills[0]
+        p0.holder.hold("orphan-1", p0.engine.held_sequence("orphan-1", 3), mesh_id="mesh-stable")
+        p0.holder.hold("other-mesh", p0.engine.held_sequence("other-mesh", 2), mesh_id="mesh-other")
         await runner.cleanup()
         await asyncio.sleep(0.4)
         app2 = create_app(cfg)
@@ -170,7 +171,7 @@ async def test_randomized_faults_leave_nothing_held(http):
         assert outcomes.get("200", 0) > n_requests // 3 and outcomes.get("left", 0) > 0
         for f in fleets:
             for p in f.prefills:
-                assert p.holder.pool.free == p.holder.pool.num_blocks  # no block lost or double-freed
+                assert p.engine.blocks.free == p.engine.blocks.num_blocks  # no block lost or double-freed
     finally:
         await runner.cleanup()
         for f in fleets:

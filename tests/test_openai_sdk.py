@@ -10,14 +10,15 @@ import openai
 import pytest
 
 from workers.mock import token_ids, token_text, first_token
-from mesh.request import render_prompt
+from workers.openai_io import render_chat
 
 MODEL = "mock-model"
 
 
 def expected_text(kind: str, body: dict, n: int) -> str:
     """What a monolithic (non-PD) mock worker answers for this body."""
-    return "".join(token_text(t) for t in token_ids(first_token(render_prompt(kind, body)), n))
+    prompt = body["prompt"] if kind == "completions" else render_chat(body["messages"])
+    return "".join(token_text(t) for t in token_ids(first_token(prompt), n))
 
 
 def held(urls: list[str]) -> int:

@@ -168,11 +168,15 @@ async def test_clients_that_leave_during_a_long_prefill_leak_nothing(fleet, expe
     and both pools are back to where they started, every block accounted for."""
     long = "x" * 600  # 150 blocks of 4 tokens; ~19 steps of 32 tokens: the client leaves mid-prefill
     async with httpx.AsyncClient(timeout=60) as c:
-        for i in range(6):
-            with pytest.raises(httpx.TimeoutException):
+        left = 0
+        for i in range(6):  # leaving after 10..60 ms: most leave mid-prefill (a fast machine may finish one)
+            try:
                 await c.post(fleet["url"] + "/v1/completions",
                              json={"model": "tiny-llama", "prompt": long + str(i), "max_tokens": 4, "stream": True},
-                             timeout=httpx.Timeout(0.05 + 0.03 * i))
+                             timeout=httpx.Timeout(0.01 * (i + 1)))
+            except httpx.TimeoutException:
+                left += 1
+        assert left >= 3
         r = await c.post(fleet["url"] + "/v1/completions", json=body("c", PROMPTS[2], False))
         assert r.status_code == 200 and ids_of(r.content, False) == expected[("c", PROMPTS[2])]
     await asyncio.to_thread(settled, fleet)

@@ -69,13 +69,13 @@ async def test_legs_carry_traceparent_to_the_workers(traced, http):
     url, exporter, fleet = await traced(FleetSpec(prefill=1, decode=1))
     seen = {}
     for w in (fleet.prefills[0], fleet.decodes[0]):
-        orig = w.generate
+        orig = w.handle
 
-        async def spy(request, kind, body, orig=orig, w=w):
+        async def spy(request, gen, body, orig=orig, w=w):
             seen[w.role] = request.headers.get("traceparent")
-            return await orig(request, kind, body)
+            return await orig(request, gen, body)
 
-        w.generate = spy
+        w.handle = spy
     async with http.post(url + "/v1/completions", json=BODY) as r:
         assert r.status == 200
     spans = by_name(exporter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from pathlib import Path
@@ -41,6 +42,14 @@ async def _on_stop(stop: asyncio.Event, cancel: threading.Event) -> None:
 
 async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:
     model = a.model or Path(a.checkpoint).name
+    faults = None
+    if getattr(a, "inject_faults", None):  # checked before any engine process starts
+        from workers.server import Faults
+
+        try:
+            faults = Faults.from_json(json.loads(a.inject_faults))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"--inject-faults: {e}") from None
     tp_prefill = role == "prefill" and a.tp_size > 1
     if tp_prefill and (a.pp_size > 1 or a.remote_stages):
         raise ConfigError("a prefill pipeline is PP x TP1 or TP x PP1: give --pp-size or --tp-size, not both")
@@ -75,8 +84,12 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
         engine = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host, devices=devs)
         wid = a.id or f"decode-{a.host}-{a.port}"
         server = DecodeServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host)
+    if faults is not None:
+        log.warning("%s injects faults on purpose: %s", wid, faults)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
+    if faults is not None:
+        server.faults = faults
     site = web.TCPSite(runner, a.host, a.port, reuse_address=True)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

@@ -177,11 +177,14 @@ class Detokenizer:
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
+        self._pieces = bool(getattr(tok, "pieces", False))  # each token's text stands alone
         self._bytes = codecs.getincrementaldecoder("utf-8")("replace") if hasattr(tok, "bos_id") else None
         self._ids: list[int] = []
         self._sent = ""
 
     def add(self, ids: list[int], final: bool = False) -> str:
+        if self._pieces:
+            return self.tok.decode(ids)
         if self._bytes is not None:
             return self._bytes.decode(bytes(i for i in ids if 0 <= i < 256), final=final)
         self._ids += ids

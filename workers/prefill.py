@@ -20,12 +20,12 @@ from aiohttp import web
 
 from mesh.errors import InvalidRequest, ProtocolError
 from mesh.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
+from workers.engine.engine import StepOutput
 from workers.engine.pp import PPEngine
 from workers.engine.tp import TPEngine
-from workers.engine.ctrl import kv_grant
 from workers.kv.holder import Held, TransferHolder
-from workers.kv.sidechannel import StageChannel
-from workers.kv.stage import make_writer, register_pool
+from workers.kv.sidechannel import ChannelFaults, StageChannel
+from workers.kv.stage import EngineProducerKV, ProducerKV
 from workers.openai_io import Answer, Detokenizer, GenRequest, logprobs_json
 from workers.server import EngineServer, error_response, json_response
 
@@ -36,53 +36,65 @@ class PrefillServer(EngineServer):
     role = "prefill"
 
     def __init__(self, engine: PPEngine | TPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
-                 host: str = "127.0.0.1", ttl_s: float = 120.0) -> None:
-        super().__init__(engine, model, worker_id)
+                 host: str = "127.0.0.1", ttl_s: float = 120.0, kv: ProducerKV | None = None,
+                 fault_route: bool = False) -> None:
+        """`kv`: the engine's KV side (default: a real engine's pools on `kv_backend`; the mock
+        fleet passes its fake engine's)."""
+        super().__init__(engine, model, worker_id, fault_route=fault_route)
         self.pp = engine
-        self.units = engine.producer_units()  # (rank, layers, first KV head) of each KV producer
+        self.kv: ProducerKV = kv if kv is not None else EngineProducerKV(engine, kv_backend, host)
+        self.units = self.kv.units()  # (rank, layers, first KV head) of each KV producer
         self.host = host
         self.holder = TransferHolder(None, ttl_s=ttl_s, on_free=self._freed)
-        assert engine.pool is not None
-        self.endpoint = register_pool(engine.pool, kv_backend, host)
-        self.kv_backend = kv_backend
-        self.stage0: StageChannel | None = None
+        self.channels: dict[int, StageChannel] = {}   # the producers served from this process
         self._expiry: asyncio.Task[None] | None = None
 
+    @property
+    def stage0(self) -> StageChannel | None:
+        return self.channels.get(self.units[0][0])
+
     def stage_addrs(self) -> tuple[StageAddr, ...]:
-        assert self.stage0 is not None
-        out = [StageAddr(pp_rank=0, host=self.host, port=self.stage0.port, layers=self.units[0][1])]
-        for r, layers, _ in self.units[1:]:
-            assert self.pp.ranks is not None
-            out.append(StageAddr(pp_rank=r, host=self.host, port=self.pp.ranks.infos[r]["kv_port"], layers=layers))
-        return tuple(out)
+        return tuple(StageAddr(pp_rank=r, host=self.host, layers=layers,
+                               port=self.channels[r].port if r in self.channels else self.kv.remote_port(r))
+                     for r, layers, _ in self.units)
 
     async def start(self) -> None:
-        _, (a, b), head0 = self.units[0]
-        self.stage0 = StageChannel(host=self.host, port=0, pp_rank=0, holder=self.holder,
-                                   writer=make_writer(self.endpoint, a, b, head0))
-        await self.stage0.start()
+        for r, writer in self.kv.local_writers().items():
+            ch = StageChannel(host=self.host, port=0, pp_rank=r, holder=self.holder, writer=writer)
+            await ch.start()
+            self.channels[r] = ch
+        self.apply_faults()
         self._expiry = asyncio.create_task(self._expire_loop())
+
+    def apply_faults(self) -> None:
+        for ch in self.channels.values():
+            ch.faults = ChannelFaults(drop_write_done=self.faults.drop_write_done)
 
     async def stop(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
-        if self.stage0 is not None:
-            await self.stage0.close()
+        for ch in self.channels.values():
+            await ch.close()
         await self.call(self.pp.close)
-        self.endpoint.transport.close()
+        self.kv.close()
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.holder.ttl_s / 4))
             for tid in self.holder.expire():
                 log.warning("transfer %s expired after %.0fs without release", tid, self.holder.ttl_s)
+                self.expired(tid)
+
+    def expired(self, transfer_id: str) -> None:
+        """A dialect's bookkeeping for a transfer the TTL freed."""
 
     def _freed(self, held: Held, path: str) -> None:
-        asyncio.get_running_loop().run_in_executor(self.ex, self.pp.release, held.transfer_id)
+        self.post(self.pp.release, held.transfer_id)
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/kv/held", self._held)
-        app.router.add_post("/kv/release", self._release)
+        if self.dialect == "atom":  # vLLM's and SGLang's engines free their KV themselves
+            app.router.add_get("/kv/held", self._held)
+            app.router.add_post("/kv/release", self._release)
 
     def census(self) -> tuple[int, int, int]:
         """Held by transfers: the holder's blocks only. A sequence the scheduler keeps HELD that the
@@ -120,9 +132,32 @@ class PrefillServer(EngineServer):
         except ProtocolError as e:
             raise InvalidRequest(e.message, param=e.param) from None
         tid = self.new_id(self.id)
+        got = await self.prefill_and_hold(request, gen, tid, mesh_id=str(want.extra.get("mesh_id", "")),
+                                          consumers=want.remote_tp_size)
+        if isinstance(got, web.Response):
+            return got
+        seq, o = got
+        st = self.stage_addrs()
+        blocks = tuple(seq.blocks)
+        params = KVHandoffParams(
+            remote_engine_id=self.id, remote_host=self.host, remote_port=st[0].port,
+            remote_handshake_port=st[0].port, remote_block_ids=blocks, transfer_id=tid,
+            first_token_id=o.new_tokens[0], remote_pp_size=len(st), tp_size=self.kv.tp_size, dp_rank=0,
+            stages=st,
+            extra={**({"kv_backend": self.kv.backend} if self.kv.backend else {}), **self.kv.grant(tid, blocks),
+                   **({"first_token_logprobs": [o.logprobs[0][0], [list(x) for x in o.logprobs[0][1]]]}
+                      if o.logprobs else {})})
+        return self.first_token_answer(request, gen, o, {"kv_transfer_params": params.encode()})
+
+    async def prefill_and_hold(self, request: web.Request, gen: GenRequest, tid: str, *, mesh_id: str = "",
+                               consumers: int = 1) -> Any:
+        """Prefill `gen` as sequence `tid` and hand its blocks to the holder: (the sequence, its first
+        token's output), or an error response. Until the holder owns the blocks, a cut leg, a client
+        gone or an error aborts the sequence (its blocks go back); from then on the holder lists,
+        releases and expires them."""
         q = await self.submit(tid, self.pp.add, gen.prompt, gen.params, True)
         held = False
-        try:  # until the holder owns its blocks, a cut leg, a client gone or an error aborts the sequence
+        try:
             o = await q.get()
             if o.error:
                 return error_response(503 if self.failed else 400, o.error)
@@ -130,29 +165,21 @@ class PrefillServer(EngineServer):
             if seq is None or o.finish_reason not in ("hold", "stop", "length"):
                 return error_response(500, f"prefill of {tid} ended without holding its KV ({o.finish_reason})")
             self.holder.hold(tid, tuple(seq.blocks), request_id=request.headers.get("X-Request-Id", ""),
-                             mesh_id=str(want.extra.get("mesh_id", "")), consumers=want.remote_tp_size)
+                             mesh_id=mesh_id, consumers=consumers)
             held = True
         finally:
             self.queues.pop(tid, None)
             if not held and not self.failed:
-                asyncio.get_running_loop().run_in_executor(self.ex, self.pp.abort, tid)
-        st = self.stage_addrs()
-        params = KVHandoffParams(
-            remote_engine_id=self.id, remote_host=self.host, remote_port=st[0].port,
-            remote_handshake_port=st[0].port, remote_block_ids=tuple(seq.blocks), transfer_id=tid,
-            first_token_id=o.new_tokens[0], remote_pp_size=len(st), tp_size=getattr(self.pp, "tp_size", 1), dp_rank=0,
-            stages=st,
-            extra={"kv_backend": self.kv_backend,
-                   **({"kv_grant": kv_grant(self.pp.ranks.secret, tid, tuple(seq.blocks))}
-                      if getattr(self.pp, "ranks", None) is not None else {}),
-                   **({"first_token_logprobs": [o.logprobs[0][0], [list(x) for x in o.logprobs[0][1]]]}
-                      if o.logprobs else {})})
+                self.post(self.pp.abort, tid)
+        return seq, o
+
+    def first_token_answer(self, request: web.Request, gen: GenRequest, o: StepOutput,
+                           extra: dict[str, Any] | None) -> web.Response:
+        """A prefill leg's answer: its one token (text, logprobs), `extra` beside the choices."""
         tok = self.engine.tokenizer
         text = Detokenizer(tok).add(o.new_tokens)  # as a stream's first chunk would say it
         ans = Answer(gen.kind, gen.model or self.model, request.headers.get("X-Request-Id", ""))
         usage = {"prompt_tokens": len(gen.prompt), "completion_tokens": 1, "total_tokens": len(gen.prompt) + 1}
         lps = logprobs_json(gen.kind, tok, o.new_tokens, o.logprobs) if o.logprobs else None
         return web.Response(body=ans.whole_choices([{"index": 0, "text": text, "finish": "length", "logprobs": lps}],
-                                                   usage, {"kv_transfer_params": params.encode()}),
-                            content_type="application/json")
-
+                                                   usage, extra), content_type="application/json")

@@ -11,7 +11,9 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -35,14 +37,71 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                                         param, code), status=status, content_type="application/json")
 
 
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """What a worker does wrong, on purpose (the mock fleet's `POST /mock/faults`, chaos tests).
+    All off by default; the adapters check them at the point each one names."""
+    status: int = 0                # answer every generation request with this HTTP status
+    hang: bool = False             # accept, never answer
+    garbage: bool = False          # answer 200 with a body that is not JSON
+    no_kv_params: bool = False     # prefill: answer as if no kv_transfer_params were sent
+    die_after_tokens: int = -1     # stream: cut the connection after this many tokens of a choice
+    slow_stage: int = -1           # prefill: this stage's side-channel writes are slow ...
+    slow_stage_ms: float = 0.0     # ... by this much
+    drop_write_done: float = 0.0   # side channel: fraction of write_done frames lost
+    drop_release: float = 0.0      # side channel: fraction of release frames lost
+    unhealthy: bool = False        # GET /health answers 503
+    crash_before_pull: float = 0.0  # decode: fraction of PD requests whose connection dies before the KV pull
+    crash_after_pull: float = 0.0   # decode: ... dies after the pull, before any release (a lost release)
+
+    def __post_init__(self) -> None:
+        for name in ("drop_write_done", "drop_release", "crash_before_pull", "crash_after_pull"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1]")
+        if type(self.status) is not int or not (self.status == 0 or 400 <= self.status <= 599):
+            raise ValueError("status must be 0 or an HTTP error status (400..599)")
+        if not isinstance(self.slow_stage_ms, (int, float)) or self.slow_stage_ms < 0:
+            raise ValueError("slow_stage_ms must be >= 0")
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Faults":
+        if not isinstance(d, dict):
+            raise ValueError("faults must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = set(d) - names
+        if bad:
+            raise ValueError(f"unknown fault(s): {', '.join(sorted(bad))}")
+        return cls(**d)
+
+
+NO_FAULTS = Faults()
+
+
+def cut_connection(request: web.Request) -> web.StreamResponse:
+    """The connection dies with nothing more sent (a crashed engine, as the mesh sees it)."""
+    if request.transport is not None:
+        request.transport.abort()
+    return web.Response(status=500)
+
+
 class EngineServer:
     role = "worker"
+    dialect = "atom"
 
-    def __init__(self, engine: Engine, model: str, worker_id: str) -> None:
+    def __init__(self, engine: Engine, model: str, worker_id: str, *, fault_route: bool = False) -> None:
+        """`engine.inline` (the mock fleet's fake engine): engine calls run on the event loop, not on
+        a thread (they are cheap and never block). `fault_route`: serve `POST /mock/faults`."""
         self.engine = engine
         self.model = model
         self.id = worker_id
-        self.ex = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.inline = bool(getattr(engine, "inline", False))
+        self.ex = None if self.inline else ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.fault_route = fault_route
+        self._faults = NO_FAULTS
+        self.rng = random.Random()
+        self.requests = 0
+        self.url, self.port = "", 0          # where it is served, once known (the mock fleet sets them)
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self.wake = asyncio.Event()
         self.in_flight = 0
@@ -52,8 +111,30 @@ class EngineServer:
 
     # -- engine access ----------------------------------------------------------------------
 
+    @property
+    def faults(self) -> Faults:
+        return self._faults
+
+    @faults.setter
+    def faults(self, f: Faults) -> None:
+        """Faults change at run time too; the side-channel ones go into the running channels."""
+        self._faults = f
+        self.apply_faults()
+
+    def apply_faults(self) -> None:
+        pass
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.ex, fn, *args)
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn` on the engine, not waited for (abort, release): after every call queued before it."""
+        if self.inline:
+            fn(*args)
+        else:
+            asyncio.get_running_loop().run_in_executor(self.ex, fn, *args)
 
     async def run_loop(self) -> None:
         sched = self.engine.scheduler
@@ -63,7 +144,11 @@ class EngineServer:
                 await self.wake.wait()
                 continue
             try:
-                outs = await self.call(self.engine.step)
+                if self.inline:  # a fake engine: the step's simulated time passes after it
+                    outs = self.engine.step()
+                    await asyncio.sleep(self.engine.step_s)
+                else:
+                    outs = await self.call(self.engine.step)
             except Exception as e:  # noqa: BLE001 - a dead rank: fail every waiter, stay up to say so
                 log.exception("engine step failed")
                 self.failed = f"engine failed: {e}"
@@ -83,19 +168,21 @@ class EngineServer:
         """Add a sequence (engine.add / add_from_kv); its outputs arrive on the returned queue."""
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self.queues[seq_id] = q
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self.ex, fn, seq_id, *args)
         try:
-            seq = await asyncio.shield(job)   # an engine call cannot be taken back once queued
+            if self.inline:
+                seq = fn(seq_id, *args)
+            else:
+                job = asyncio.get_running_loop().run_in_executor(self.ex, fn, seq_id, *args)
+                seq = await asyncio.shield(job)   # an engine call cannot be taken back once queued
         except (ValueError, MemoryError) as e:
             del self.queues[seq_id]
             raise InvalidRequest(str(e)) from None
         except asyncio.CancelledError:  # the caller left: the add still runs; abort right after it,
             self.queues.pop(seq_id, None)  # on the same one-thread executor (first in, first out)
-            loop.run_in_executor(self.ex, self.engine.abort, seq_id)
+            self.post(self.engine.abort, seq_id)
             raise
         if seq.finish_reason is not None:  # done on arrival (a PD decode with max_tokens 1)
-            q.put_nowait(StepOutput(seq_id, [], True, seq.finish_reason))
+            q.put_nowait(StepOutput(seq_id, [], True, seq.finish_reason, seq.error))
         self.wake.set()
         return q
 
@@ -107,7 +194,10 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/load", self._load)
+        if self.dialect == "atom":  # vLLM and SGLang engines have no /load: the mesh probes /health
+            app.router.add_get("/load", self._load)
+        if self.fault_route:
+            app.router.add_post("/mock/faults", self._set_faults)
         app.on_response_prepare.append(kv_pull_header)
         self.add_routes(app)
         app.cleanup_ctx.append(self._lifecycle)
@@ -131,7 +221,8 @@ class EngineServer:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await self.stop()
-            self.ex.shutdown(wait=True)
+            if self.ex is not None:
+                self.ex.shutdown(wait=True)
 
     async def _models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "atomesh"}]})
@@ -139,7 +230,16 @@ class EngineServer:
     async def _health(self, request: web.Request) -> web.Response:
         if self.failed:
             return error_response(503, self.failed)
-        return json_response({"status": "ok", "id": self.id, "role": self.role})
+        if self._faults.unhealthy:
+            return error_response(503, "injected: unhealthy")
+        return json_response({"status": "ok", "id": self.id, "role": self.role, "requests_total": self.requests})
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        try:
+            self.faults = Faults.from_json(orjson.loads(await request.read()))
+        except (ValueError, TypeError, orjson.JSONDecodeError) as e:
+            return error_response(400, f"bad faults: {e}", "faults")
+        return json_response(dataclasses.asdict(self.faults))
 
     def census(self) -> tuple[int, int, int]:
         """(free, held by transfers, held by running work) KV blocks, read on the engine thread.
@@ -171,11 +271,22 @@ class EngineServer:
         if self.failed:
             return error_response(503, self.failed)
         self.in_flight += 1
+        self.requests += 1
         try:
             try:
                 body = orjson.loads(await request.read())
             except orjson.JSONDecodeError:
                 return error_response(400, "request body is not valid JSON")
+            f = self._faults
+            if f is not NO_FAULTS:
+                if f.hang:
+                    await asyncio.sleep(3600)
+                if f.status:
+                    return error_response(f.status, f"injected failure {f.status}", code="injected")
+                if f.garbage:
+                    return web.Response(body=b"<html>oops</html>", content_type="text/html")
+                if f.no_kv_params and isinstance(body, dict):
+                    body.pop("kv_transfer_params", None)
             mc = self.engine.model_cfg
             gen = parse(kind, body, self.engine.tokenizer, mc.vocab_size, mc.max_position_embeddings)
             if gen.model and gen.model != self.model:
@@ -199,7 +310,7 @@ class EngineServer:
         except BaseException:
             for c in choices:
                 self.queues.pop(c.seq_id, None)
-                asyncio.get_running_loop().run_in_executor(self.ex, self.engine.abort, c.seq_id)
+                self.post(self.engine.abort, c.seq_id)
             raise
         return await self.respond(request, gen, choices)
 
@@ -226,12 +337,17 @@ class EngineServer:
                 if o.finished or o.error:
                     return
 
-        feeders = [asyncio.ensure_future(feed(c)) for c in choices if c.finish is None]
-        left = len(feeders)
+        async def only() -> tuple[Choice, StepOutput]:  # one choice (the usual case): no feeder task
+            return choices[0], await choices[0].q.get()
+
+        live = [c for c in choices if c.finish is None]
+        feeders = [asyncio.ensure_future(feed(c)) for c in live] if len(choices) > 1 else []
+        next_out = merged.get if len(choices) > 1 else only
+        left = len(live)
         try:
             if not gen.stream:
                 while left:
-                    c, o = await merged.get()
+                    c, o = await next_out()
                     if o.error:
                         return error_response(500 if self.failed else 400, o.error)
                     left -= self._advance(c, o)
@@ -242,19 +358,24 @@ class EngineServer:
             await resp.prepare(request)
             if not sent_early:
                 await resp.write(ans.first_chunk(len(choices)))
+            cut = self._faults.die_after_tokens  # an injected crash: the stream dies after `cut` tokens
             for c in choices:  # echo, and PD's first token (unless the mesh sent it)
+                if 0 <= cut < len(c.ids):
+                    return cut_connection(request)
                 if c.lead or (c.first and not sent_early):
                     text, lps, ids = c.take(tok, gen, final=c.finish is not None)
                     await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index, logprobs=lps))
                 elif c.first:  # the mesh sent it: only forget it
                     c.take(tok, gen, final=False)
             while left:
-                c, o = await merged.get()
+                c, o = await next_out()
                 if o.error:
                     await resp.write(b"event: error\ndata: " + error_body(o.error, "server_error") + b"\n\n")
                     await resp.write_eof()
                     return resp
                 left -= self._advance(c, o)
+                if 0 <= cut < len(c.ids):
+                    return cut_connection(request)
                 text, lps, ids = c.take(tok, gen, final=c.finish is not None)
                 if text or lps or c.finish is not None or (want_ids and ids):
                     await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index,
@@ -270,7 +391,7 @@ class EngineServer:
             for c in choices:
                 self.queues.pop(c.seq_id, None)
                 if (c.finish is None or c.stopped) and not self.failed:  # the client left, or a stop string
-                    asyncio.get_running_loop().run_in_executor(self.ex, self.engine.abort, c.seq_id)
+                    self.post(self.engine.abort, c.seq_id)
 
     def _advance(self, c: "Choice", o: StepOutput) -> int:
         """A step's output into its choice; 1 when the choice just ended."""

@@ -111,17 +111,20 @@ class Engine:
         except BaseException:  # the blocks are the engine's from the call on: not kept by a failed add
             self.blocks.release(list(block_ids))
             raise
-        if seq.generator is not None and params.temperature > 0:
-            # the prefill drew the first token from the same seed: replay that draw (a multinomial
-            # over the vocabulary uses the same randoms whatever the probabilities), so a seeded PD
-            # answer is the engine alone's
-            torch.multinomial(torch.ones(self.model_cfg.vocab_size), 1, generator=seq.generator)
+        self._replay_first_draw(seq)
         self.seqs[seq_id] = seq
         if self._stops(seq, first_token):
             self.scheduler.finish(seq, seq.finish_reason or "length")
         else:
             self.scheduler.add(seq)
         return seq
+
+    def _replay_first_draw(self, seq: Sequence) -> None:
+        """The prefill drew the first token from the same seed: replay that draw (a multinomial over
+        the vocabulary uses the same randoms whatever the probabilities), so a seeded PD answer is
+        the engine alone's."""
+        if seq.generator is not None and seq.params.temperature > 0:
+            torch.multinomial(torch.ones(self.model_cfg.vocab_size), 1, generator=seq.generator)
 
     def release(self, seq_id: str) -> bool:
         self.seqs.pop(seq_id, None)
@@ -190,14 +193,18 @@ class Engine:
             k = seq.params.logprobs
             lps = None if k is None else [logprob_of(logits[row], t, k)]
             row += 1
-            seq.output.append(t)
-            done = self._stops(seq, t)
-            if done:
-                self.scheduler.finish(seq, seq.finish_reason or "length")
-                if seq.state == SeqState.FINISHED:
-                    self.seqs.pop(seq.id, None)
-            out.append(StepOutput(seq.id, [t], done, seq.finish_reason if done else None, logprobs=lps))
+            out.append(self._emit(seq, t, lps))
         return out
+
+    def _emit(self, seq: Sequence, t: int, lps: list[Logprob] | None) -> StepOutput:
+        """A sampled token into its sequence: the sequence finishes (or is held) where it stops."""
+        seq.output.append(t)
+        done = self._stops(seq, t)
+        if done:
+            self.scheduler.finish(seq, seq.finish_reason or "length")
+            if seq.state == SeqState.FINISHED:
+                self.seqs.pop(seq.id, None)
+        return StepOutput(seq.id, [t], done, seq.finish_reason if done else None, logprobs=lps)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Run prompts to completion (a convenience for tests and benchmarks)."""

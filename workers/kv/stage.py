@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mesh.protocol import ConsumerRank, WriteRequest
 from workers.engine.kv_cache import KVPool
@@ -77,3 +77,97 @@ def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int
     if not ev.wait(30):
         raise RuntimeError("stage side channel did not start")
     return ready[0]
+
+
+# -- what the HTTP adapters need from an engine's KV side ---------------------------------------
+
+Unit = tuple[int, tuple[int, int], int]          # (producer rank, layers [start, end), first KV head)
+
+
+class ProducerKV(Protocol):
+    """A prefill engine's KV side as the prefill adapter sees it: which producers it has, which of
+    them serve from this process (the adapter runs their side channels) and with what writer."""
+    backend: str | None
+    tp_size: int
+
+    def units(self) -> list[Unit]: ...
+
+    def local_writers(self) -> dict[int, Any]: ...   # producer rank -> writer, for the ranks served here
+
+    def remote_port(self, rank: int) -> int: ...       # side-channel port of a producer served elsewhere
+
+    def grant(self, transfer_id: str, blocks: tuple[int, ...]) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class ConsumerKV(Protocol):
+    """A decode engine's KV side as the decode adapter sees it: its ranks and what a pull carries."""
+
+    def ranks(self) -> tuple[ConsumerRank, ...]: ...
+
+    def pull_extra(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineProducerKV:
+    """A real PP / TP-producer engine: stage 0's (rank 0's) pool registered with a transport here;
+    the other stages serve from their own processes (their ports are in the rank infos)."""
+
+    def __init__(self, engine: Any, backend: str, host: str) -> None:
+        self.engine, self.backend = engine, backend
+        self.tp_size = int(getattr(engine, "tp_size", 1))
+        assert engine.pool is not None
+        self.endpoint = register_pool(engine.pool, backend, host)
+
+    def units(self) -> list[Unit]:
+        return list(self.engine.producer_units())
+
+    def local_writers(self) -> dict[int, Any]:
+        r, (a, b), head0 = self.units()[0]
+        return {r: make_writer(self.endpoint, a, b, head0)}
+
+    def remote_port(self, rank: int) -> int:
+        assert self.engine.ranks is not None
+        return int(self.engine.ranks.infos[rank]["kv_port"])
+
+    def grant(self, transfer_id: str, blocks: tuple[int, ...]) -> dict[str, Any]:
+        from workers.engine.ctrl import kv_grant
+
+        ranks = getattr(self.engine, "ranks", None)
+        return {"kv_grant": kv_grant(ranks.secret, transfer_id, blocks)} if ranks is not None else {}
+
+    def close(self) -> None:
+        self.endpoint.transport.close()
+
+
+class EngineConsumerKV:
+    """A real TP decode engine: rank 0's pool registered here, the other ranks' segments and
+    regions from their infos."""
+
+    def __init__(self, engine: Any, backend: str, host: str) -> None:
+        self.engine = engine
+        assert engine.pool is not None
+        self.endpoint = register_pool(engine.pool, backend, host)
+        self.layout = layout_extra(engine.pool)
+
+    def ranks(self) -> tuple[ConsumerRank, ...]:
+        out = []
+        tp = self.engine
+        for r in range(tp.tp_size):
+            a, b = tp.head_range(r)
+            if r == 0:
+                seg, regions = self.endpoint.transport.segment, self.endpoint.regions
+            else:
+                assert tp.ranks is not None
+                info = tp.ranks.infos[r]
+                seg, regions = info["segment"], info["regions"]
+            out.append(ConsumerRank(tp_rank=r, segment=seg, head_start=a, head_end=b, region_addrs=tuple(regions)))
+        return tuple(out)
+
+    def pull_extra(self) -> dict[str, Any]:
+        return {"layout": self.layout}
+
+    def close(self) -> None:
+        self.endpoint.transport.close()
