@@ -117,16 +117,20 @@ class DecodeServer(EngineServer):
         output queue), or the error response. The blocks are the adapter's (counted in `outside`)
         until the engine's add_from_kv owns them; on every way out before that (a failed fetch, a
         client gone, a cut leg) they go back."""
-        loop = asyncio.get_running_loop()
-        job = asyncio.ensure_future(self.call(self.tp.blocks.allocate, need))
         try:
-            dst = await asyncio.shield(job)
+            if self.inline:
+                dst = self.tp.blocks.allocate(need)
+            else:
+                loop = asyncio.get_running_loop()
+                job = asyncio.ensure_future(self.call(self.tp.blocks.allocate, need))
+                try:
+                    dst = await asyncio.shield(job)
+                except asyncio.CancelledError:  # left while allocating: what the allocation got goes back
+                    job.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else
+                                          loop.call_soon(self.post, self.tp.blocks.release, f.result()))
+                    raise
         except MemoryError as e:
             return error_response(503, f"decode KV pool: {e}", code="kv_exhausted")
-        except asyncio.CancelledError:  # left while allocating: what the allocation got goes back
-            job.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else
-                                  loop.call_soon(self.post, self.tp.blocks.release, f.result()))
-            raise
         self.outside += need
         owned = False
         try:

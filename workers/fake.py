@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import random
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,13 +53,13 @@ def token_text(tok: int) -> str:
 
 
 def first_token(prompt: list[int] | str, seed: int | None = None) -> int:
-    """The first token for a prompt's ids (a string: its UTF-8 bytes, as `FakeTokenizer` encodes it)."""
+    """The first token for a prompt's ids (a string: its UTF-8 bytes, as `FakeTokenizer` encodes it)
+    and seed: a hash of the last 4,096 ids."""
     if isinstance(prompt, str):
         prompt = list(prompt.encode("utf-8"))
-    h = 1469598103934665603 if seed is None else (1469598103934665603 ^ (seed * 0x9E3779B97F4A7C15)) & (2 ** 64 - 1)
-    for t in prompt[-4096:]:
-        h = ((h ^ t) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h % VOCAB
+    h = hashlib.blake2b(array("q", prompt[-4096:]).tobytes(), digest_size=8,
+                        salt=b"" if seed is None else seed.to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little") % VOCAB
 
 
 def next_token(prev: int) -> int:
@@ -86,7 +88,7 @@ class FakeTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return "".join([f" t{i}" for i in ids])
+        return f" t{ids[0]}" if len(ids) == 1 else "".join([f" t{i}" for i in ids])
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,8 @@ class FakeEngine(Engine):
         self.timing = timing
         self.rng = rng or random.Random()
         self.step_s = 0.0     # how long the last step would have taken on a real engine
+        # zero prefill and decode time: the adapter may run the steps at once, in the caller's turn
+        self.instant = timing.prefill_ms_per_token == 0 and timing.decode_ms_per_token == 0
 
     def delay(self, ms: float) -> float:
         if ms <= 0:
@@ -147,9 +151,37 @@ class FakeEngine(Engine):
                 continue
             t = next_token(seq.output[-1]) if seq.output else first_token(seq.prompt, seq.params.seed)
             k = seq.params.logprobs
-            out.append(self._emit(seq, t, None if k is None else [fake_logprob(t, k)]))
+            o = self._emit(seq, t, None if k is None else [fake_logprob(t, k)])
+            if not dec and seq.state == SeqState.RUNNING:
+                self._burst(seq, o)
+            out.append(o)
         self.step_s = self.delay(longest)
         return out
+
+    def _burst(self, seq: Sequence, o: StepOutput) -> None:
+        """Zero decode time: the rest of a running sequence in this step, into its output `o`. Its
+        blocks are allocated for every token's KV first (the pool and the census stay true); where
+        the pool has no room for all of them, one token per step as usual."""
+        p = seq.params
+        room = p.max_tokens - len(seq.output)
+        n_prompt = len(seq.prompt)
+        if room <= 0 or not self.scheduler._grow(seq, n_prompt + len(seq.output) + room - 1):
+            return
+        toks, lps, k, stops = o.new_tokens, o.logprobs, p.logprobs, p.stop_token_ids
+        t, reason = toks[-1], "length"
+        for _ in range(room):
+            t = next_token(t)
+            seq.output.append(t)
+            toks.append(t)
+            if lps is not None and k is not None:
+                lps.append(fake_logprob(t, k))
+            if t in stops:
+                reason = "stop"
+                break
+        seq.computed = n_prompt + len(seq.output) - 1
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.id, None)
+        o.finished, o.finish_reason = True, reason
 
     def held_sequence(self, seq_id: str, n_blocks: int) -> tuple[int, ...]:
         """A sequence held as after its prefill, on `n_blocks` new blocks (tests: an orphan transfer)."""

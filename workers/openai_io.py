@@ -58,9 +58,12 @@ _UNSUPPORTED: dict[str, Any] = {
 }
 
 
+_UNSUPPORTED_NAMES = frozenset(_UNSUPPORTED)
+
+
 def _check_supported(body: dict[str, Any]) -> None:
-    for name, used in _UNSUPPORTED.items():
-        if name in body and used(body[name]):
+    for name in _UNSUPPORTED_NAMES.intersection(body):
+        if _UNSUPPORTED[name](body[name]):
             raise InvalidRequest(f"{name} is not supported by this engine", param=name)
 
 
@@ -107,7 +110,7 @@ def parse(kind: str, body: Any, tok: Tokenizer, vocab: int, max_model_len: int) 
         ids = tok.encode(render_chat(ms))
     if not ids:
         raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
-    if any(not 0 <= t < vocab for t in ids):
+    if min(ids) < 0 or max(ids) >= vocab:
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     mt = 16 if mt is None else mt

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import random
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -85,6 +86,38 @@ def cut_connection(request: web.Request) -> web.StreamResponse:
     return web.Response(status=500)
 
 
+class Outputs:
+    """A sequence's step outputs, from the engine loop to its one reader (an `asyncio.Queue` without
+    the task-accounting machinery: one of these per sequence, on the hot path)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[StepOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, o: StepOutput) -> None:
+        self._items.append(o)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def get_nowait(self) -> StepOutput:
+        return self._items.popleft()
+
+    async def get(self) -> StepOutput:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class EngineServer:
     role = "worker"
     dialect = "atom"
@@ -102,7 +135,7 @@ class EngineServer:
         self.rng = random.Random()
         self.requests = 0
         self.url, self.port = "", 0          # where it is served, once known (the mock fleet sets them)
-        self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self.queues: dict[str, Outputs] = {}
         self.wake = asyncio.Event()
         self.in_flight = 0
         self.failed: str | None = None      # the engine broke (a rank died): answer 503 from now on
@@ -164,9 +197,9 @@ class EngineServer:
         self._seq += 1
         return f"{prefix}-{os.urandom(4).hex()}-{self._seq}"
 
-    async def submit(self, seq_id: str, fn: Callable[..., Any], *args: Any) -> asyncio.Queue[StepOutput]:
+    async def submit(self, seq_id: str, fn: Callable[..., Any], *args: Any) -> Outputs:
         """Add a sequence (engine.add / add_from_kv); its outputs arrive on the returned queue."""
-        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        q = Outputs()
         self.queues[seq_id] = q
         try:
             if self.inline:
@@ -183,8 +216,18 @@ class EngineServer:
             raise
         if seq.finish_reason is not None:  # done on arrival (a PD decode with max_tokens 1)
             q.put_nowait(StepOutput(seq_id, [], True, seq.finish_reason, seq.error))
-        self.wake.set()
+        if self.inline and self.engine.step_s == 0 and getattr(self.engine, "instant", False):
+            self._step_now()  # an engine whose steps take no time (a zero-timing fake): done at once
+        else:
+            self.wake.set()
         return q
+
+    def _step_now(self) -> None:
+        while self.engine.scheduler.has_work():
+            for o in self.engine.step():
+                q = self.queues.get(o.seq_id)
+                if q is not None:
+                    q.put_nowait(o)
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -337,8 +380,10 @@ class EngineServer:
                 if o.finished or o.error:
                     return
 
+        c0, q0 = choices[0], choices[0].q
+
         async def only() -> tuple[Choice, StepOutput]:  # one choice (the usual case): no feeder task
-            return choices[0], await choices[0].q.get()
+            return c0, (q0.get_nowait() if q0.qsize() else await q0.get())
 
         live = [c for c in choices if c.finish is None]
         feeders = [asyncio.ensure_future(feed(c)) for c in live] if len(choices) > 1 else []
@@ -350,7 +395,11 @@ class EngineServer:
                     c, o = await next_out()
                     if o.error:
                         return error_response(500 if self.failed else 400, o.error)
-                    left -= self._advance(c, o)
+                    if c.stops:  # a stop string may end it mid-step: token by token
+                        for piece in _per_token(o):
+                            left -= self._advance(c, *piece)
+                    else:
+                        left -= self._advance(c, o.new_tokens, o.logprobs, o.finished, o.finish_reason)
                 out = [c.whole(gen, tok, want_ids) for c in choices]
                 return web.Response(body=ans.whole_choices(out, self._usage(gen, choices), extra),
                                     content_type="application/json")
@@ -367,19 +416,47 @@ class EngineServer:
                     await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index, logprobs=lps))
                 elif c.first:  # the mesh sent it: only forget it
                     c.take(tok, gen, final=False)
+            # plain text of one choice (the usual case): one chunk per token, no stop-string hold-back,
+            # logprobs, ids or echo to keep; the general loop below does all of that
+            plain = len(choices) == 1 and not gen.stop and gen.params.logprobs is None and not want_ids
+            dec1 = tok.decode if plain and getattr(tok, "pieces", False) else None  # text per token, stateless
+            while left and plain:
+                o = q0.get_nowait() if q0.qsize() else await q0.get()
+                if o.error:
+                    break
+                toks = o.new_tokens
+                crash_at = cut - len(c0.ids) if cut >= 0 else -1   # the index in `toks` where the stream dies
+                c0.ids += toks
+                fin = (o.finish_reason or "length") if o.finished else None
+                last = len(toks) - 1
+                for i, t in enumerate(toks):
+                    if i == crash_at:
+                        return cut_connection(request)
+                    end = fin is not None and i == last
+                    text = dec1([t]) if dec1 is not None else c0.detok.add([t], final=end)
+                    if text or end:
+                        await resp.write(ans.chunk(text, fin if end else None, index=0))
+                if fin is not None:
+                    if not toks:  # finished with no new token (its last one came before): say so
+                        await resp.write(ans.chunk(c0.detok.add([], final=True), fin, index=0))
+                    c0.finish, left = fin, 0
             while left:
-                c, o = await next_out()
+                c, o = (c0, o) if plain else await next_out()  # plain: the error that ended the loop above
                 if o.error:
                     await resp.write(b"event: error\ndata: " + error_body(o.error, "server_error") + b"\n\n")
                     await resp.write_eof()
                     return resp
-                left -= self._advance(c, o)
-                if 0 <= cut < len(c.ids):
-                    return cut_connection(request)
-                text, lps, ids = c.take(tok, gen, final=c.finish is not None)
-                if text or lps or c.finish is not None or (want_ids and ids):
-                    await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index,
-                                               logprobs=lps))
+                for piece in _per_token(o):  # one chunk per token, whatever an engine step gave
+                    ended = self._advance(c, *piece)
+                    if c.finish is not None and not ended:
+                        continue   # tokens after a stop string: dropped
+                    left -= ended
+                    if 0 <= cut < len(c.ids):
+                        return cut_connection(request)
+                    text, lps, ids = c.take(tok, gen, final=c.finish is not None)
+                    if text or lps or c.finish is not None or (want_ids and ids):
+                        await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index,
+                                                   logprobs=lps))
             if gen.include_usage:
                 await resp.write(ans.usage_chunk(self._usage(gen, choices)))
             await resp.write(Answer.DONE)
@@ -393,11 +470,12 @@ class EngineServer:
                 if (c.finish is None or c.stopped) and not self.failed:  # the client left, or a stop string
                     self.post(self.engine.abort, c.seq_id)
 
-    def _advance(self, c: "Choice", o: StepOutput) -> int:
-        """A step's output into its choice; 1 when the choice just ended."""
+    @staticmethod
+    def _advance(c: "Choice", toks: list[int], lps: list[Any] | None, finished: bool, reason: str | None) -> int:
+        """A token (or a step's tokens) into its choice; 1 when the choice just ended."""
         if c.finish is not None:
             return 0   # stopped by a stop string already: later tokens are dropped
-        c.add(self.engine.tokenizer, o)
+        c.add(toks, lps, finished, reason)
         return int(c.finish is not None)
 
     @staticmethod
@@ -406,11 +484,24 @@ class EngineServer:
         return {"prompt_tokens": len(gen.prompt), "completion_tokens": done, "total_tokens": len(gen.prompt) + done}
 
 
+def _per_token(o: StepOutput) -> Any:
+    """A step's output as (tokens, logprobs, finished, reason) of one token each (an engine step may
+    give several: a fake engine with zero decode time, speculative decoding)."""
+    toks = o.new_tokens
+    if len(toks) <= 1:
+        yield toks, o.logprobs, o.finished, o.finish_reason
+        return
+    last = len(toks) - 1
+    for i, t in enumerate(toks):
+        end = i == last
+        yield [t], o.logprobs[i:i + 1] if o.logprobs else None, o.finished and end, o.finish_reason if end else None
+
+
 class Choice:
     """One choice of an answer: its sequence, the text it has let out, what a stop string may
     still claim (held back), its tokens and logprobs."""
 
-    def __init__(self, index: int, seq_id: str, q: "asyncio.Queue[StepOutput]", first: list[int] | None = None,
+    def __init__(self, index: int, seq_id: str, q: "Outputs", first: list[int] | None = None,
                  first_logprobs: list[Any] | None = None) -> None:
         self.index, self.seq_id, self.q = index, seq_id, q
         self.first = list(first or [])
@@ -423,6 +514,8 @@ class Choice:
         self.new_ids: list[int] = list(self.first)
         self.new_lps: list[Any] = list(self.lps)
         self.lead = ""
+        self._out = 0                  # text let out so far (chars of `text` taken)
+        self._off = 0                  # text offset of the next logprobs entry
 
     def start(self, tok: Any, gen: GenRequest) -> None:
         self.detok = Detokenizer(tok)
@@ -432,15 +525,15 @@ class Choice:
         if self.first:
             self._text(self.detok.add(self.first), False)
 
-    def add(self, tok: Any, o: StepOutput) -> None:
-        self.ids += o.new_tokens
-        self.new_ids += o.new_tokens
-        if o.logprobs:
-            self.lps += o.logprobs
-            self.new_lps += o.logprobs
-        if o.finished:
-            self.finish = o.finish_reason or "length"
-        self._text(self.detok.add(o.new_tokens, final=o.finished), o.finished)
+    def add(self, toks: list[int], lps: list[Any] | None, finished: bool, reason: str | None) -> None:
+        self.ids += toks
+        self.new_ids += toks
+        if lps:
+            self.lps += lps
+            self.new_lps += lps
+        if finished:
+            self.finish = reason or "length"
+        self._text(self.detok.add(toks, final=finished), finished)
 
     def _text(self, piece: str, final: bool) -> None:
         buf = self.pending + piece
@@ -461,12 +554,12 @@ class Choice:
 
     def take(self, tok: Any, gen: GenRequest, final: bool) -> tuple[str, Any, list[int]]:
         """What is new since the last take: text, logprobs object (or None), token ids."""
-        text = self.lead + self.text[getattr(self, "_out", 0):]
+        text = self.lead + self.text[self._out:] if self.lead else self.text[self._out:]
         self._out = len(self.text)
         lead, self.lead = self.lead, ""
-        lps = (logprobs_json(gen.kind, tok, self.new_ids, self.new_lps, getattr(self, "_off", 0))
+        lps = (logprobs_json(gen.kind, tok, self.new_ids, self.new_lps, self._off)
                if gen.params.logprobs is not None and self.new_ids else None)
-        self._off = getattr(self, "_off", 0) + len(text) - len(lead)
+        self._off += len(text) - len(lead)
         ids, self.new_ids, self.new_lps = self.new_ids, [], []
         return text, lps, ids
 

@@ -85,7 +85,8 @@ class Engine:
             hold: bool = False) -> Sequence:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} exists")
-        bad = [t for t in prompt if not 0 <= t < self.model_cfg.vocab_size]
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab] if prompt and (min(prompt) < 0 or max(prompt) >= vocab) else []
         if bad:
             raise ValueError(f"token ids out of the vocabulary: {bad[:5]}")
         seq = Sequence(seq_id, list(prompt), params, hold=hold)

@@ -25,9 +25,11 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        free, refs = self._free, self._refs
+        out = free[len(free) - n:][::-1] if n else []
+        del free[len(free) - n:]
         for b in out:
-            self._refs[b] = 1
+            refs[b] = 1
         return out
 
     def retain(self, blocks: list[int]) -> None:
@@ -37,12 +39,14 @@ class BlockManager:
             self._refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
+        refs, free = self._refs, self._free
         for b in blocks:
-            if self._refs[b] <= 0:
+            r = refs[b]
+            if r <= 0:
                 raise ValueError(f"block {b} released twice")
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
+            refs[b] = r - 1
+            if r == 1:
+                free.append(b)
 
     def take(self, blocks: list[int]) -> None:
         """Mark specific free blocks as used (a decode engine receiving KV into chosen blocks)."""

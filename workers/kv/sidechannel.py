@@ -289,10 +289,15 @@ class ConsumerChannel:
 
     async def _serve(self) -> None:
         assert self._router is not None
+        last = b""
         while True:
             frames = await self._router.recv_multipart()
+            if frames[-1] == last:  # a stage's repeat of the write_done just handled: nothing new
+                self.stats.duplicate_write_done += 1
+                continue
+            last = frames[-1]
             try:
-                msg = decode_frame(frames[-1])
+                msg = decode_frame(last)
                 if not isinstance(msg, WriteDone):
                     raise ProtocolError("not a write_done")
                 self._on_write_done(msg)
