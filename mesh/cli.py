@@ -155,7 +155,8 @@ def _fleet_spec(a: argparse.Namespace) -> Any:
                      pp_size=a.pp_size, tp_size=a.tp_size, num_blocks=a.num_blocks, ttl_s=a.kv_ttl,
                      timing=MockTiming(prefill_ms_per_token=a.prefill_ms_per_token,
                                        decode_ms_per_token=a.decode_ms_per_token, jitter=a.jitter),
-                     seed=a.seed, dialect=getattr(a, "dialect", "atom"))
+                     seed=a.seed, dialect=getattr(a, "dialect", "atom"),
+                     worker_token=os.environ.get("ATOMESH_WORKER_TOKEN") or None)
 
 
 def cmd_mock_fleet(a: argparse.Namespace) -> None:

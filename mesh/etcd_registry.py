@@ -43,6 +43,12 @@ def check_record(rec: Any, where: str) -> Any:
             raise ProtocolError(f"{where}.{f} must be >= 1")
     if rec.num_blocks < 0:
         raise ProtocolError(f"{where}.num_blocks must be >= 0")
+    env = getattr(rec, "api_key_env", "")
+    if env and not (env.startswith("ATOMESH_") and len(env) > 8 and env.isascii() and env.replace("_", "").isalnum() and env.isupper()):
+        # a record names which of the mesh's variables it is sent as a Bearer token: only ATOMESH_*
+        # ones, so a record written by someone else cannot have the mesh send it, say, a cloud key
+        raise ProtocolError(f"{where}.api_key_env must name an ATOMESH_* variable, got {env!r}",
+                            param=where + ".api_key_env")
     return rec
 
 

@@ -202,6 +202,7 @@ class WriteDone:
 class Release:
     transfer_id: str
     tp_rank: int
+    auth: str = ""        # with a worker token: HMAC of the release (workers/kv/sidechannel.py)
 
 
 SIDE_MESSAGES: dict[str, type] = {

@@ -287,3 +287,45 @@ async def test_randomized_faults_and_leaving_clients_on_real_workers(ckpt):
         await runner.cleanup()
         dec.stop()
         pre.stop()
+
+
+async def test_real_workers_with_a_worker_token(ckpt, monkeypatch):
+    """`ATOMESH_WORKER_TOKEN` on real worker processes: the spawned stage and rank processes inherit
+    it, the decode signs its side-channel requests and both stages check them; the mesh (same
+    variable, named by the workers' `api_key_env`) serves PD; a caller without it gets 401 on `/kv/*`
+    and on PD legs."""
+    token = "real-worker-token-0123456789abcdef"
+    monkeypatch.setenv("ATOMESH_WORKER_TOKEN", token)
+    common = ["--checkpoint", str(ckpt), "--kv-backend", "zmq", "--block-size", "4", "--num-blocks", "128",
+              "--max-batch-tokens", "16"]
+    env = {"ATOMESH_WORKER_TOKEN": token}
+    pre = await asyncio.to_thread(Proc, [MESH_BIN, "prefill", *common, "--pp-size", "2"], "ready", env, 120)
+    dec = await asyncio.to_thread(Proc, [MESH_BIN, "decode", *common, "--tp-size", "2"], "ready", env, 120)
+    purl, durl = pre.lines[-2].split()[1], dec.lines[-2].split()[1]
+    cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": purl, "model": MODEL, "id": "p0",
+                                                              "api_key_env": "ATOMESH_WORKER_TOKEN"}, 0),),
+                     decode=(make_worker("decode", {"url": durl, "model": MODEL, "id": "d0",
+                                                    "api_key_env": "ATOMESH_WORKER_TOKEN"}, 0),),
+                     ledger_grace=1.0, ledger_interval=0.1)
+    app = create_app(cfg)
+    runner = await start_site(app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{bound_port(runner)}"
+    try:
+        assert await fire(url, 4) == ["ok"] * 4
+        async with aiohttp.ClientSession() as s:
+            async with s.get(purl + "/kv/held") as r:
+                assert r.status == 401
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "remote_engine_id": "d", "remote_host": "127.0.0.1", "remote_port": 1,
+                "remote_handshake_port": 1, "remote_tp_size": 1}}
+            async with s.post(purl + "/v1/completions", json=body) as r:
+                assert r.status == 401
+            async with s.get(purl + "/kv/held", headers={"Authorization": f"Bearer {token}"}) as r:
+                assert r.status == 200 and (await r.json())["transfers"] == []
+        await nothing_held([], app)
+        load = httpx.get(purl + "/load").json()
+        assert load["free_blocks"] == 128 and load["held_blocks"] == 0
+    finally:
+        await runner.cleanup()
+        dec.stop()
+        pre.stop()

@@ -32,15 +32,15 @@ class DecodeServer(EngineServer):
 
     def __init__(self, engine: TPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
                  host: str = "127.0.0.1", pull_deadline_s: float = 30.0, kv: ConsumerKV | None = None,
-                 fault_route: bool = False) -> None:
+                 fault_route: bool = False, token: str | None = None) -> None:
         """`kv`: the engine's KV side (default: a real engine's pools on `kv_backend`; the mock
         fleet passes its fake engine's)."""
-        super().__init__(engine, model, worker_id, fault_route=fault_route)
+        super().__init__(engine, model, worker_id, fault_route=fault_route, token=token)
         self.tp: TPEngine = engine
         self.host = host
         self.pull_deadline_s = pull_deadline_s
         self.kv: ConsumerKV = kv if kv is not None else EngineConsumerKV(engine, kv_backend, host)
-        self.channel = ConsumerChannel(host=host)
+        self.channel = ConsumerChannel(host=host, token=token)
         self.pulls = 0
         self.pulls_failed = 0
 

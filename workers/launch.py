@@ -15,6 +15,7 @@ from mesh.errors import ConfigError
 from mesh.etcd import EtcdConfig
 from mesh.protocol import OWN_CAPABILITIES, DecodeRecord, PrefillRecord, RankRecord, StageRecord
 from workers.engine.config import EngineConfig
+from workers.kv.sidechannel import WORKER_TOKEN_ENV, worker_token
 from workers.register import EnrollConfig, Enrollment
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ async def _on_stop(stop: asyncio.Event, cancel: threading.Event) -> None:
 
 async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig | None) -> None:
     model = a.model or Path(a.checkpoint).name
+    try:
+        token = worker_token()   # checked before any engine process starts (its stages read it too)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     faults = None
     if getattr(a, "inject_faults", None):  # checked before any engine process starts
         from workers.server import Faults
@@ -76,14 +81,15 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
             engine = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
                               devices=devs)
         wid = a.id or f"prefill-{a.host}-{a.port}"
-        server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl)
+        server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl,
+                                    token=token)
     else:
         from workers.decode import DecodeServer
         from workers.engine.tp import TPEngine
 
         engine = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host, devices=devs)
         wid = a.id or f"decode-{a.host}-{a.port}"
-        server = DecodeServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host)
+        server = DecodeServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, token=token)
     if faults is not None:
         log.warning("%s injects faults on purpose: %s", wid, faults)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
@@ -104,11 +110,12 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
             record: Any = PrefillRecord(id=wid, model=model, url=url, pp_size=len(stages),
                                         tp_size=a.tp_size if tp_prefill else 1, block_size=cfg.block_size,
                                         num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, stages=stages,
-                                        capabilities=OWN_CAPABILITIES)
+                                        capabilities=OWN_CAPABILITIES, api_key_env=WORKER_TOKEN_ENV if token else "")
         else:
             stages = ()
             record = DecodeRecord(id=wid, model=model, url=url, tp_size=a.tp_size, block_size=cfg.block_size,
                                   num_blocks=cfg.num_blocks, kv_backend=a.kv_backend, capabilities=OWN_CAPABILITIES,
+                                  api_key_env=WORKER_TOKEN_ENV if token else "",
                                   ranks=tuple(RankRecord(tp_rank=r.tp_rank, host=a.host, segment=r.segment)
                                               for r in server.ranks()))
         own = stages[:1] if role == "prefill" else ()   # stage 0 lives here; the others enroll themselves

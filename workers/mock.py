@@ -24,6 +24,7 @@ from aiohttp import web
 from mesh.dialects import check_dialect
 from mesh.protocol import OWN_CAPABILITIES
 from workers.decode import DecodeServer
+from workers.kv.sidechannel import WORKER_TOKEN_ENV
 from workers.fake import VOCAB, FakeConsumerKV, FakeEngine, FakeProducerKV, MockTiming, first_token, next_token, \
     token_ids, token_text
 from workers.mock_dialects import DECODE, PREFILL
@@ -56,6 +57,7 @@ class FleetSpec:
     pull_deadline_s: float = 10.0
     id_prefix: str = "mock-"        # worker ids are <prefix>prefill-<i> / <prefix>decode-<i>
     num_layers: int = 32            # split across a pipeline's stages
+    worker_token: str | None = None  # the worker token (ATOMESH_WORKER_TOKEN must hold it where a mesh routes)
     dialect: str = "atom"           # atom | vllm | sglang: the PD protocol the workers speak
 
     def __post_init__(self) -> None:
@@ -64,6 +66,8 @@ class FleetSpec:
             raise ValueError("prefill and decode must be >= 0, and not both 0")
         if not 0 <= self.base_port <= 65535:
             raise ValueError("base_port must be in 0..65535")
+        if self.worker_token is not None and len(self.worker_token) < 16:
+            raise ValueError("worker_token must be at least 16 characters")
 
 
 class MockFleet:
@@ -87,7 +91,7 @@ class MockFleet:
             eng = self._engine(seed)
             pkv = FakeProducerKV(s.pp_size, s.num_layers, s.timing, eng.delay)
             w = PREFILL[s.dialect](eng, s.model, f"{s.id_prefix}prefill-{i}", host=s.host, ttl_s=s.ttl_s, kv=pkv,
-                                   fault_route=True)
+                                   fault_route=True, token=s.worker_token)
             pkv.faults = lambda w=w: w.faults  # type: ignore[misc]
             await self._serve(w, port + i if port else 0, seed)
             self.prefills.append(w)
@@ -95,7 +99,7 @@ class MockFleet:
             seed = None if s.seed is None else s.seed + 1000 + i
             wid = f"{s.id_prefix}decode-{i}"
             w2 = DECODE[s.dialect](self._engine(seed), s.model, wid, host=s.host, pull_deadline_s=s.pull_deadline_s,
-                                   kv=FakeConsumerKV(wid, s.tp_size), fault_route=True)
+                                   kv=FakeConsumerKV(wid, s.tp_size), fault_route=True, token=s.worker_token)
             await self._serve(w2, port + s.prefill + i if port else 0, seed)
             self.decodes.append(w2)
 
@@ -125,13 +129,18 @@ class MockFleet:
                                             "stages": [{"pp_rank": a.pp_rank, "host": a.host, "kv_port": a.port,
                                                         "layers": list(a.layers)} for a in w.stage_addrs()],
                                             "dialect": w.dialect, "capabilities": list(capabilities(w)),
+                                            **self._auth(),
                                             **({"bootstrap_port": w.port} if w.dialect == "sglang" else {})}, i)
                     for i, w in enumerate(self.prefills))
         dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model,
                                            "tp_size": len(w.kv.ranks()), "dialect": w.dialect,
-                                           "capabilities": list(capabilities(w))}, i)
+                                           "capabilities": list(capabilities(w)), **self._auth()}, i)
                     for i, w in enumerate(self.decodes))
         return pre, dec
+
+    def _auth(self) -> dict[str, str]:
+        """With a worker token, the records say the mesh sends it as `ATOMESH_WORKER_TOKEN`."""
+        return {"api_key_env": WORKER_TOKEN_ENV} if self.spec.worker_token else {}
 
     async def enroll(self, etcd: Any, ttl: int = 10) -> list[Any]:
         """Register every worker in etcd (each stage under its own lease); returns the enrollments."""

@@ -37,10 +37,10 @@ class PrefillServer(EngineServer):
 
     def __init__(self, engine: PPEngine | TPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
                  host: str = "127.0.0.1", ttl_s: float = 120.0, kv: ProducerKV | None = None,
-                 fault_route: bool = False) -> None:
+                 fault_route: bool = False, token: str | None = None) -> None:
         """`kv`: the engine's KV side (default: a real engine's pools on `kv_backend`; the mock
         fleet passes its fake engine's)."""
-        super().__init__(engine, model, worker_id, fault_route=fault_route)
+        super().__init__(engine, model, worker_id, fault_route=fault_route, token=token)
         self.pp = engine
         self.kv: ProducerKV = kv if kv is not None else EngineProducerKV(engine, kv_backend, host)
         self.units = self.kv.units()  # (rank, layers, first KV head) of each KV producer
@@ -60,7 +60,7 @@ class PrefillServer(EngineServer):
 
     async def start(self) -> None:
         for r, writer in self.kv.local_writers().items():
-            ch = StageChannel(host=self.host, port=0, pp_rank=r, holder=self.holder, writer=writer)
+            ch = StageChannel(host=self.host, port=0, pp_rank=r, holder=self.holder, writer=writer, token=self.token)
             await ch.start()
             self.channels[r] = ch
         self.apply_faults()
@@ -106,6 +106,8 @@ class PrefillServer(EngineServer):
         return dataclasses.replace(super().load(census), held_transfers=len(self.holder))
 
     async def _held(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return self.unauthorized()
         try:
             since = int(request.query.get("since", "0"))
         except ValueError:
@@ -113,6 +115,8 @@ class PrefillServer(EngineServer):
         return json_response(self.holder.listing(since).encode())
 
     async def _release(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return self.unauthorized()
         try:
             cmd = ReleaseCommand.decode(orjson.loads(await request.read()))
         except (ProtocolError, orjson.JSONDecodeError) as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import os
 import random
@@ -122,9 +123,16 @@ class EngineServer:
     role = "worker"
     dialect = "atom"
 
-    def __init__(self, engine: Engine, model: str, worker_id: str, *, fault_route: bool = False) -> None:
+    def __init__(self, engine: Engine, model: str, worker_id: str, *, fault_route: bool = False,
+                 token: str | None = None) -> None:
         """`engine.inline` (the mock fleet's fake engine): engine calls run on the event loop, not on
-        a thread (they are cheap and never block). `fault_route`: serve `POST /mock/faults`."""
+        a thread (they are cheap and never block). `fault_route`: serve `POST /mock/faults`.
+        `token` (the worker token, `ATOMESH_WORKER_TOKEN`): PD legs and `/kv/*` need
+        `Authorization: Bearer <token>`, and the side channels sign and check every request."""
+        if token is not None and len(token) < 16:
+            raise ValueError("the worker token must be at least 16 characters")
+        self.token = token
+        self._bearer = f"Bearer {token}".encode() if token is not None else b""
         self.engine = engine
         self.model = model
         self.id = worker_id
@@ -277,6 +285,16 @@ class EngineServer:
             return error_response(503, "injected: unhealthy")
         return json_response({"status": "ok", "id": self.id, "role": self.role, "requests_total": self.requests})
 
+    def authorized(self, request: web.Request) -> bool:
+        """Does the caller hold the worker token (always, without one)?"""
+        if self.token is None:
+            return True
+        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), self._bearer)
+
+    def unauthorized(self) -> web.Response:
+        return error_response(401, "this needs the worker token: Authorization: Bearer <ATOMESH_WORKER_TOKEN>",
+                              code="invalid_worker_token")
+
     async def _set_faults(self, request: web.Request) -> web.Response:
         try:
             self.faults = Faults.from_json(orjson.loads(await request.read()))
@@ -330,6 +348,9 @@ class EngineServer:
                     return web.Response(body=b"<html>oops</html>", content_type="text/html")
                 if f.no_kv_params and isinstance(body, dict):
                     body.pop("kv_transfer_params", None)
+            if self.token is not None and isinstance(body, dict) and body.get("kv_transfer_params") is not None \
+                    and not self.authorized(request):  # a PD leg holds or pulls KV: the mesh's only
+                return self.unauthorized()
             mc = self.engine.model_cfg
             gen = parse(kind, body, self.engine.tokenizer, mc.vocab_size, mc.max_position_embeddings)
             if gen.model and gen.model != self.model:

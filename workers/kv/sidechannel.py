@@ -14,13 +14,16 @@ notify port; senders use one DEALER per peer address, kept open.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
+import os
 import random
 import secrets
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -29,6 +32,36 @@ from mesh.protocol import (ConsumerRank, KVHandoffParams, Release, WriteDone, Wr
                            decode_frame, encode_frame)
 
 log = logging.getLogger(__name__)
+
+WORKER_TOKEN_ENV = "ATOMESH_WORKER_TOKEN"
+
+
+def worker_token() -> str | None:
+    """The worker token shared by the mesh and its workers (`ATOMESH_WORKER_TOKEN`), or None. With
+    it, a worker serves `/kv/*` and PD legs only to callers that present it, and every side-channel
+    write request and release carries an HMAC keyed by it."""
+    t = os.environ.get(WORKER_TOKEN_ENV)
+    if t is None or t == "":
+        return None
+    if len(t) < 16:
+        raise ValueError(f"{WORKER_TOKEN_ENV} must be at least 16 characters")
+    return t
+
+
+def _mac(token: str, *parts: object) -> str:
+    return hmac.new(token.encode(), msgpack.packb(list(parts)), "sha256").hexdigest()
+
+
+def write_mac(token: str, req: WriteRequest) -> str:
+    """What authenticates a write request: every field that says what is read and where it goes."""
+    return _mac(token, "write_request", req.request_id, req.transfer_id, list(req.src_block_ids),
+                list(req.dst_block_ids), [[r.tp_rank, r.segment, r.head_start, r.head_end, list(r.region_addrs)]
+                                          for r in req.ranks], req.notify_host, req.notify_port, req.write_nonce,
+                req.extra.get("kv_grant", ""), req.extra.get("layout") or {})
+
+
+def release_mac(token: str, transfer_id: str, tp_rank: int) -> str:
+    return _mac(token, "release", transfer_id, tp_rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +91,7 @@ class ChannelStats:
     releases_received: int = 0
     duplicate_releases: int = 0
     bad_frames: int = 0
+    unauthenticated: int = 0        # write requests / releases without the worker token's HMAC: dropped
 
 
 class Holder(Protocol):
@@ -105,10 +139,12 @@ class StageChannel:
 
     def __init__(self, *, host: str, port: int, pp_rank: int, holder: Holder | None, writer: Writer,
                  write_done_repeats: int = 3, faults: ChannelFaults = ChannelFaults(),
-                 grant_key: bytes | None = None) -> None:
+                 grant_key: bytes | None = None, token: str | None = None) -> None:
         """`grant_key` (a stage without the holder): serve only write requests that carry stage 0's
-        grant for their transfer and blocks (`ctrl.kv_grant`)."""
+        grant for their transfer and blocks (`ctrl.kv_grant`). `token` (the worker token): serve
+        only write requests and releases signed with it (`write_mac`, `release_mac`)."""
         self._grant_key = grant_key
+        self._token = token
         if write_done_repeats < 1:
             raise ValueError("write_done_repeats must be >= 1")
         self.host, self.port, self.pp_rank = host, port, pp_rank
@@ -155,6 +191,12 @@ class StageChannel:
 
     def _handle(self, frame: bytes) -> None:
         msg = decode_frame(frame)
+        if self._token is not None and not self._signed(msg):
+            self.stats.unauthenticated += 1
+            if self.stats.unauthenticated & (self.stats.unauthenticated - 1) == 0:
+                log.warning("stage %d: %d side-channel frame(s) without the worker token's signature dropped",
+                            self.pp_rank, self.stats.unauthenticated)
+            return
         if isinstance(msg, WriteRequest):
             self.stats.write_requests += 1
             t = asyncio.create_task(self._write(msg))
@@ -166,6 +208,16 @@ class StageChannel:
                 self.stats.duplicate_releases += 1
         else:
             self.stats.bad_frames += 1
+
+    def _signed(self, msg: object) -> bool:
+        assert self._token is not None
+        if isinstance(msg, WriteRequest):
+            got, want = msg.extra.get("auth"), write_mac(self._token, msg)
+        elif isinstance(msg, Release):
+            got, want = msg.auth, release_mac(self._token, msg.transfer_id, msg.tp_rank)
+        else:
+            return True   # not a request: counted as a bad frame below
+        return isinstance(got, str) and hmac.compare_digest(got, want)
 
     async def _write(self, req: WriteRequest) -> None:
         # stage 0 holds the transfer; later stages serve the block ids stage 0 granted (holder None)
@@ -213,8 +265,11 @@ class _Receive:
 class ConsumerChannel:
     """The consumer side (a decode engine): asks stages to write, waits for all write_dones."""
 
-    def __init__(self, *, host: str, port: int = 0, faults: ChannelFaults = ChannelFaults()) -> None:
+    def __init__(self, *, host: str, port: int = 0, faults: ChannelFaults = ChannelFaults(),
+                 token: str | None = None) -> None:
+        """`token` (the worker token): sign every write request and release with it."""
         self.host, self.port = host, port
+        self._token = token
         self.faults = faults
         self._rng = random.Random(faults.seed)
         self._ctx = zmq.asyncio.Context.instance()
@@ -263,6 +318,8 @@ class ConsumerChannel:
                            write_nonce=nonce,
                            extra={**(extra or {}), **({"kv_grant": params.extra["kv_grant"]}
                                                       if isinstance(params.extra.get("kv_grant"), str) else {})})
+        if self._token is not None:
+            req = dataclasses.replace(req, extra={**req.extra, "auth": write_mac(self._token, req)})
         frame = encode_frame(req)
         try:
             for st in stages:
@@ -283,7 +340,8 @@ class ConsumerChannel:
             self.stats.releases_dropped += 1
             return
         st0 = params.stage_addrs()[0]
-        msg = Release(transfer_id=params.transfer_id, tp_rank=tp_rank)
+        msg = Release(transfer_id=params.transfer_id, tp_rank=tp_rank,
+                      auth=release_mac(self._token, params.transfer_id, tp_rank) if self._token else "")
         await self._dealers.get(st0.host, st0.port).send(encode_frame(msg))
         self.stats.releases_sent += 1
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from mesh.protocol import ConsumerRank, WriteRequest
 from workers.engine.kv_cache import KVPool
-from workers.kv.sidechannel import Holder, StageChannel
+from workers.kv.sidechannel import Holder, StageChannel, worker_token
 from workers.kv.transport import Layout, Transport, copy_plan, create
 
 
@@ -67,7 +67,8 @@ def start_stage_thread(ep: KVEndpoint, host: str, pp_rank: int, layer_start: int
 
     async def serve() -> None:
         ch = StageChannel(host=host, port=0, pp_rank=pp_rank, holder=holder,
-                          writer=make_writer(ep, layer_start, layer_end, head0), grant_key=grant_key)
+                          writer=make_writer(ep, layer_start, layer_end, head0), grant_key=grant_key,
+                          token=worker_token())
         await ch.start()
         ready.append((ch.port, asyncio.get_running_loop()))
         ev.set()
