@@ -372,11 +372,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
         vocab = write_tokenizer(ckpt, 4096)  # byte-level BPE trained on local text, with a chat template
         generate(ckpt, tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, vocab_size=vocab,
                                    bos_token_id=1, eos_token_id=2), seed=0)
-    try:
-        import mooncake.engine  # noqa: F401
-        kv = "mooncake"
-    except ImportError:
-        kv = "zmq"
+    kv = a.kv_backend   # zmq by default: the pinned Mooncake listens on every interface (docs/security.md)
     children: list[Any] = []
     etcd_url = None
     try:
@@ -574,6 +570,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=8000)
     d.add_argument("--dir", default=".run", help="where the checkpoint and etcd data live")
+    d.add_argument("--kv-backend", default="zmq", choices=["zmq", "mooncake"],
+                   help="how KV moves between the workers (default: %(default)s; mooncake's ports listen on every "
+                   "interface with the pinned mooncake-transfer-engine, whatever --host says)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -204,3 +204,29 @@ def test_images_and_dockerfile_agree():
 def test_pods_reference_only_defined_config(name):
     w = next(x for x in workloads() if x["metadata"]["name"] == name)
     env_of(w)  # raises KeyError on a $(VAR) or configMap / secret that does not exist
+
+
+def test_network_policies_cover_every_workload_and_keep_workers_to_their_peers():
+    """Every pod is selected by an ingress NetworkPolicy; a worker pod (whose KV ports are random and,
+    with Mooncake, listen on every interface) admits only the mesh and Atomesh workers; etcd only
+    Atomesh pods; the mesh only its HTTP port."""
+    pols = kind("NetworkPolicy")
+
+    def policies_of(labels: dict[str, str]) -> list[dict[str, Any]]:
+        return [p for p in pols if all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())]
+
+    allowed_peers = {"mesh", "prefill", "decode"}
+    for w in workloads():
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        (pol,) = policies_of(labels)
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+        comp = labels["app.kubernetes.io/component"]
+        rules = pol["spec"]["ingress"]
+        if comp in ("prefill", "decode"):
+            for r in rules:
+                peers = {f["podSelector"]["matchLabels"].get("app.kubernetes.io/component") for f in r["from"]}
+                assert peers <= allowed_peers and None not in peers, peers
+        elif comp == "mesh":
+            assert all("from" not in r and [p["port"] for p in r["ports"]] == [8000] for r in rules)
+        elif comp == "etcd":
+            assert all(r["from"] and r["ports"] for r in rules)

@@ -18,7 +18,9 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +79,14 @@ class Wire:
 
 
 def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1", backend: str = "gloo",
-               device: str = "cpu") -> Any:
-    """A process group on a TCPStore at host:port (rank 0 serves it). NCCL when the ranks hold
-    distinct GPUs (NVLink multicast off: NCCL_NVLS_ENABLE=0 unless set); gloo otherwise, binding
-    the address the host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT)
+               device: str = "cpu", store_path: str = "") -> Any:
+    """A process group on a store: a FileStore at `store_path` for ranks spawned on this host (no
+    listener at all), else a TCPStore at host:port (rank 0 serves it; torch binds it on every
+    interface: remote stages only, docs/security.md). NCCL when the ranks hold distinct GPUs
+    (NVLink multicast off: NCCL_NVLS_ENABLE=0 unless set); gloo otherwise, binding the address the
+    host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
+    store = (dist.FileStore(store_path, world) if store_path else
+             dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT))
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -128,6 +133,7 @@ class RankSpec:
     backend: str = "gloo"             # the group's backend (group_backend of every rank's device)
     producer: bool = False            # a TP prefill rank: serves its KV heads over the side channel
     secret: bytes = b""               # the control channel's shared secret (never sent on it)
+    store_path: str = ""              # spawned ranks: the group's FileStore (never from the network)
 
 
 def _rank_main(spec: RankSpec, ready: Any) -> None:
@@ -226,7 +232,7 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
         torch.set_num_threads(1)
         mc = ModelConfig.load(spec.checkpoint)
         dev = spec.engine.device
-        group = make_group(spec.rank, spec.world, spec.store_port, spec.head, spec.backend, dev)
+        group = make_group(spec.rank, spec.world, spec.store_port, spec.head, spec.backend, dev, spec.store_path)
         wire = Wire(spec.backend, dev)
         weights = load_weights(spec.checkpoint, mc, spec.par, spec.engine.torch_dtype, dev)
         model = LlamaStage(mc, spec.par, weights, all_reduce_fn(group, wire.direct) if spec.kind == "tp" else None)
@@ -359,6 +365,8 @@ class Ranks:
         self.secret = secret
         specs = []
         store_port = remote_port if remote_port is not None else free_port()
+        self._store_dir = None if self.remote else tempfile.mkdtemp(prefix="atomesh-store-")  # mode 0700
+        store_path = os.path.join(self._store_dir, "store") if self._store_dir else ""
         for r in range(1, self.world):
             if self.remote:
                 s, mon = self._bind_remote(store_port + r)
@@ -372,7 +380,7 @@ class Ranks:
             self.socks.append(s)
             specs.append(RankSpec(kind, str(checkpoint), dataclasses.replace(engine, device=devices[r]), pars[r], r,
                                   self.world, store_port, port, kv_backend, kv_host, backend=self.backend,
-                                  producer=producer, secret=secret))
+                                  producer=producer, secret=secret, store_path=store_path))
         try:
             if self.remote:
                 self._join_remote(specs, start_timeout, bind_host)
@@ -466,7 +474,7 @@ class Ranks:
         for spec in specs:
             self._accept(spec.rank, deadline, ctrl.pack("ok"))
         self.group = make_group(0, self.world, specs[0].store_port, backend=self.backend,
-                                device=self.wire.device) if specs else None
+                                device=self.wire.device, store_path=specs[0].store_path) if specs else None
         for _ in specs:
             try:
                 status, *info = self._ready.get(timeout=start_timeout)
@@ -580,3 +588,6 @@ class Ranks:
         if self._ready is not None:
             self._ready.close()
             self._ready.join_thread()
+        if getattr(self, "_store_dir", None):
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
