@@ -116,11 +116,33 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
         raise ConfigError(f"[mesh]: {e}") from None
 
 
+def _opaque(role: str, url: str) -> str:
+    """A default worker id that is not its address (ids show in /metrics and logs)."""
+    import hashlib
+
+    return f"{role}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 async def _serve(cfg: MeshConfig, stop: asyncio.Event, announce: str | None = None) -> None:
     from mesh.app import bound_port, create_app, start_site
 
     if not (cfg.prefill or cfg.decode or cfg.workers or cfg.etcd):
         raise ConfigError("no workers: give --prefill/--decode (PD), --worker (regular), --config or --etcd")
+    if not _loopback(cfg.host) and not cfg.admin_token:
+        log.warning("mesh serves on %s without an admin token: /workers, /kv/ledger and the dashboard map every "
+                    "worker to anyone who can reach it; set --admin-token or ATOMESH_ADMIN_TOKEN (docs/security.md)",
+                    cfg.host)
     runner = await start_site(create_app(cfg), cfg.host, cfg.port)
     port = bound_port(runner)
     log.info("mesh listening on http://%s:%d (%s mode)", cfg.host, port, "PD" if cfg.pd else "regular")
@@ -196,7 +218,7 @@ def cmd_register(a: argparse.Namespace) -> None:
     if a.role in ("prefill", "decode"):
         if not a.url or not a.model:
             raise ConfigError(f"--role {a.role} needs --url and --model")
-        spec = {"url": a.url, "model": a.model, "id": a.id or f"{a.role}-{a.url.split('://')[-1].replace(':', '-')}",
+        spec = {"url": a.url, "model": a.model, "id": a.id or _opaque(a.role, a.url),
                 "tp_size": a.tp_size, "block_size": a.block_size, "num_blocks": a.num_blocks,
                 "kv_backend": a.kv_backend, "dialect": a.dialect, "capabilities": a.capability or [],
                 "api_key_env": a.api_key_env or ""}

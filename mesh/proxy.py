@@ -79,6 +79,32 @@ class RePair(Exception):
         self.cause, self.pipeline, self.decode = cause, pipeline, decode
 
 
+class PullBlame:
+    """Who a failed KV pull (a decode's `kv_transfer_failed`) is charged to. Normally the pipeline: the
+    decode could not get its KV from it. But a decode that fails against two or more distinct
+    pipelines within `window` seconds with no successful pull since the first of those failures is
+    itself broken (its side channel or transport): charging each pipeline would open the breakers of
+    healthy pipelines one after the other (issue 16), so it is charged instead."""
+
+    def __init__(self, window: float = 30.0) -> None:
+        self.window = window
+        self._fails: dict[str, dict[str, float]] = {}   # decode id -> pipeline id -> last failure
+        self._ok: dict[str, float] = {}                 # decode id -> last successful pull
+
+    def ok(self, decode: str) -> None:
+        self._ok[decode] = time.monotonic()
+        self._fails.pop(decode, None)
+
+    def decode_at_fault(self, decode: str, pipeline: str) -> bool:
+        now = time.monotonic()
+        fails = {p: t for p, t in self._fails.get(decode, {}).items() if now - t <= self.window}
+        fails[pipeline] = now
+        self._fails[decode] = fails
+        if len(self._fails) > 4096:   # bounded: forget decodes with nothing recent
+            self._fails = {d: f for d, f in self._fails.items() if f and now - max(f.values()) <= self.window}
+        return len(fails) >= 2 and self._ok.get(decode, -1e18) < min(fails.values())
+
+
 @dataclass(slots=True)
 class Decoded:
     """An open decode leg and its first bytes (the whole body unless streaming)."""
@@ -114,6 +140,7 @@ class Proxy:
         self.load = MappingProxyType(fleet.in_flight)
         self.kv_free = MappingProxyType(fleet.kv_free)
         self.tracing = tracing
+        self._pulls = PullBlame()
 
     async def handle(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         if self.tracing is None:
@@ -273,6 +300,7 @@ class Proxy:
             t_open = time.time_ns()
             leg, first = await self._open_leg("decode", dw, creq, data, dh, flow.retry_decode)
             self.fleet.succeeded(pw.id)  # the decode has its KV: the pipeline served well
+            self._pulls.ok(leg.w.id)
             if span is not None:
                 self.tracing.kv_pull(creq.request_id, leg.w, t_open,  # type: ignore[union-attr]
                                      leg.resp.headers.get(KV_PULL_HEADER) if leg.resp else None)
@@ -291,8 +319,11 @@ class Proxy:
                 await ledger.reclaim(e, "decode-failed")
             elif drains and flow.drain_on(err):
                 self.bg.spawn(self._drain(flow, creq, pw, h, dw))
-            if isinstance(err, KVSourceLost):  # the pipeline, not the decode engine, is at fault
-                self.up.failed("prefill", pw, "kv_source")
+            if isinstance(err, KVSourceLost):  # the pipeline is at fault, unless the decode fails them all
+                if self._pulls.decode_at_fault(dw.id, pw.id):
+                    self.up.failed("decode", dw, "kv_pull")
+                else:
+                    self.up.failed("prefill", pw, "kv_source")
                 if early is None:
                     raise RePair(err, pipeline=pw) from None
             elif early is None and not flow.retry_decode and isinstance(err, (UpstreamError, UpstreamTimeout)):

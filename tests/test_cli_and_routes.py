@@ -146,3 +146,16 @@ def test_mesh_bench_against_the_mesh(proc_pd, tmp_path):
     data = __import__("json").loads(out.read_text())
     assert data["ok"] == 20 and not data["errors"] and data["ttft_ms"]["p50"] > 0
     assert data["tokens_per_s"] > 0 and data["itl_ms"]["p50"] >= 0
+
+
+def test_a_mesh_off_loopback_without_an_admin_token_is_told_and_ids_are_not_addresses():
+    """issue 16: `mesh serve` warns when it listens beyond loopback with its admin routes open; a
+    worker's default id (shown in /metrics, logs, registry keys) is stable but not its address."""
+    from mesh.cli import _loopback, _opaque
+    from workers.launch import opaque_id
+
+    assert all(_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"))
+    assert not any(_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "example.com"))
+    a, b = opaque_id("prefill", "10.1.2.3", 8100), _opaque("decode", "http://10.1.2.3:8200")
+    assert a == opaque_id("prefill", "10.1.2.3", 8100) and "10.1.2.3" not in a + b and "8100" not in a
+    assert a.startswith("prefill-") and b.startswith("decode-") and a != opaque_id("prefill", "10.1.2.3", 8101)

@@ -251,3 +251,36 @@ async def test_capacity_answers_do_not_open_the_breaker(make_pd, http, status, o
 def _pid(pd, w) -> str:
     (wid,) = [x.id for x in pd.state.fleet.workers() if x.url == w.url]
     return wid
+
+
+async def test_a_decode_that_fails_every_pull_does_not_take_healthy_pipelines_out(http):
+    """A decode whose pulls all fail (here: a deadline no write_done can meet; in the field, a dead
+    side channel) answers kv_transfer_failed against every pipeline. Charging each pipeline would open
+    the breakers of three healthy ones; once it has failed against two distinct pipelines with no
+    good pull since, the decode is charged instead, and requests go on to the good decode."""
+    from mesh.app import STATE, bound_port, create_app, start_site
+    from mesh.config import MeshConfig
+    from workers.mock import MockFleet
+
+    pipes = MockFleet(FleetSpec(prefill=3, decode=0, id_prefix="p-"))
+    bad = MockFleet(FleetSpec(prefill=0, decode=1, pull_deadline_s=1e-6, id_prefix="bad-"))
+    good = MockFleet(FleetSpec(prefill=0, decode=1, id_prefix="good-"))
+    for f in (pipes, bad, good):
+        await f.start()
+    cfg = MeshConfig(port=0, prefill=pipes.mesh_workers()[0], decode=bad.mesh_workers()[1] + good.mesh_workers()[1],
+                     prefill_policy="round_robin", decode_policy="round_robin", unhealthy_after=2,
+                     first_token_early=False, health_interval=30)
+    app = create_app(cfg)
+    runner = await start_site(app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{bound_port(runner)}"
+    try:
+        codes = [(await post(http, url, {**BODY, "prompt": f"pull {i}"}))[0] for i in range(12)]
+        fleet = app[STATE].fleet
+        assert all(fleet.healthy(p.id) for p in pipes.prefills), codes
+        assert not fleet.healthy(bad.decodes[0].id) and bad.decodes[0].pulls_failed >= 2
+        assert codes[-6:] == [200] * 6, codes
+        assert sum(len(p.holder) for p in pipes.prefills) == 0
+    finally:
+        await runner.cleanup()
+        for f in (pipes, bad, good):
+            await f.close()

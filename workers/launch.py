@@ -21,6 +21,14 @@ from workers.register import EnrollConfig, Enrollment
 log = logging.getLogger(__name__)
 
 
+def opaque_id(role: str, host: str, port: int) -> str:
+    """A worker's default id: stable for its address, but not the address (ids show in /metrics, logs
+    and the registry's keys; addresses only in the records)."""
+    import hashlib
+
+    return f"{role}-{hashlib.sha256(f'{host}:{port}'.encode()).hexdigest()[:12]}"
+
+
 def devices(a: Any, world: int) -> list[str]:
     """`--device D` (every rank on D) or `--device D0,D1,...` (one per stage / rank)."""
     devs = [d.strip() for d in str(getattr(a, "device", "cpu")).split(",") if d.strip()]
@@ -80,7 +88,7 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
         else:
             engine = PPEngine(a.checkpoint, cfg, a.pp_size, a.partition, kv_backend=a.kv_backend, kv_host=a.host,
                               devices=devs)
-        wid = a.id or f"prefill-{a.host}-{a.port}"
+        wid = a.id or opaque_id("prefill", a.host, a.port)
         server: Any = PrefillServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, ttl_s=a.kv_ttl,
                                     token=token)
     else:
@@ -88,7 +96,7 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
         from workers.engine.tp import TPEngine
 
         engine = TPEngine(a.checkpoint, cfg, a.tp_size, kv_backend=a.kv_backend, kv_host=a.host, devices=devs)
-        wid = a.id or f"decode-{a.host}-{a.port}"
+        wid = a.id or opaque_id("decode", a.host, a.port)
         server = DecodeServer(engine, model, wid, kv_backend=a.kv_backend, host=a.host, token=token)
     if faults is not None:
         log.warning("%s injects faults on purpose: %s", wid, faults)
@@ -101,7 +109,7 @@ async def serve_worker(role: str, a: Any, stop: asyncio.Event, etcd: EtcdConfig 
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     url = f"http://{a.host}:{port}"
     if not a.id:
-        wid = server.id = f"{role}-{a.host}-{port}"
+        wid = server.id = opaque_id(role, a.host, port)
     enrollment = None
     if etcd is not None:
         if role == "prefill":
