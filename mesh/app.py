@@ -294,6 +294,9 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                tracer_provider: Any = None) -> web.Application:
     """The mesh. `tracer_provider`: OpenTelemetry spans go there (else to the global SDK provider
     when one is configured; else no tracing)."""
+    from mesh import badlog
+
+    badlog.install()   # malformed requests: one log line per peer per minute, no raw bytes
     if registry is None and cfg.etcd is not None:
         from mesh.etcd_registry import EtcdRegistry
 

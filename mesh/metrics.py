@@ -70,6 +70,14 @@ class _Unaccounted(Collector):
         yield g
 
 
+class _BadRequests(Collector):
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        from mesh.badlog import BAD_REQUESTS
+
+        yield CounterMetricFamily("atomesh_bad_http_requests", "Requests aiohttp's parser refused (logged once "
+                                  "per peer per minute, without their bytes)", value=BAD_REQUESTS.total)
+
+
 class Metrics:
     def __init__(self, in_flight: Callable[[], Iterable[tuple[str, str, int]]],
                  registry: Callable[[], tuple[bool, int]] = lambda: (False, 0),
@@ -96,6 +104,7 @@ class Metrics:
         r.register(_Registry(registry))
         r.register(_Ledger(ledger))
         r.register(_Unaccounted(unaccounted))
+        r.register(_BadRequests())
         self._terminal = Counter("atomesh_kv_terminal", "Transfers ended, by terminal state and reason",
                                  ["state", "reason"], registry=r)
         self._release_latency = Histogram("atomesh_kv_release_seconds", "Prefill done -> blocks freed",

@@ -99,3 +99,30 @@ async def test_json_nested_too_deeply_is_a_400(make_pd, http):
     raw = ('{"model": "mock-model", "prompt": "x", "max_tokens": 2, "metadata": ' + deep + "}").encode()
     async with http.post(pd.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400 and "nested too deeply" in (await r.json())["error"]["message"]
+
+
+async def test_a_flood_of_malformed_requests_is_logged_once_per_peer_without_its_bytes(make_pd, http, caplog):
+    """issue 16: aiohttp logged each refused request at ERROR with the bytes it choked on (headers,
+    an Authorization among them). Now: one warning per peer per minute, no bytes, all counted."""
+    import logging
+
+    from mesh.badlog import BAD_REQUESTS
+
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    port = int(pd.url.rsplit(":", 1)[1])
+    before = BAD_REQUESTS.total
+    caplog.set_level(logging.INFO, logger="aiohttp.server")
+    for _ in range(30):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET / HTTP/1.1\r\nAuthorization: Bearer very-secret-token\r\nBad Header\x00: y\r\n\r\n")
+        await w.drain()
+        await r.read()
+        w.close()
+    lines = [rec for rec in caplog.records if rec.name == "aiohttp.server"]
+    assert len(lines) <= 1 and all(rec.levelno == logging.WARNING for rec in lines), [r.getMessage() for r in lines]
+    assert "very-secret-token" not in caplog.text and "Bad Header" not in caplog.text
+    assert BAD_REQUESTS.total - before == 30
+    async with http.get(pd.url + "/metrics") as resp:
+        assert "atomesh_bad_http_requests_total" in await resp.text()
+    async with http.post(pd.url + "/v1/completions", json={"model": "mock-model", "prompt": "ok", "max_tokens": 2}) as resp:
+        assert resp.status == 200

@@ -240,6 +240,9 @@ class EngineServer:
     # -- HTTP ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
+        from mesh import badlog
+
+        badlog.install()   # malformed requests: one log line per peer per minute, no raw bytes
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
