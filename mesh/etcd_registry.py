@@ -61,53 +61,79 @@ def check_url(url: str, where: str) -> None:
                             param=where)
 
 
+Entry = tuple[str, str, "int | None", Any]   # (kind, id, stage rank, Worker | MeshRecord | StageLiveness)
+
+
+def parse_entry(keys: Keys, key: bytes, value: bytes) -> Entry | None:
+    """One registry key/value, parsed and checked (a Worker is built for a prefill or decode record):
+    None for a key that is not ours or a value that is bad (logged), never an exception."""
+    name = key.decode("utf-8", "replace")
+    try:  # one key at a time: a bad key or record is skipped, never the whole registry
+        key.decode("utf-8")   # a key that is not UTF-8 is not one of ours
+        what = keys.parse(key)
+        if what is None:
+            return None
+        kind, ident, rank = what
+        data = orjson.loads(value)
+        if kind == "prefill":
+            rec: Any = check_record(PrefillRecord.decode(data, name), name)
+            return kind, ident, rank, Worker(id=ident, role="prefill", url=rec.url, model=rec.model, record=rec)
+        if kind == "decode":
+            drec = check_record(DecodeRecord.decode(data, name), name)
+            return kind, ident, rank, Worker(id=ident, role="decode", url=drec.url, model=drec.model, record=drec)
+        if kind == "mesh":
+            return kind, ident, rank, MeshRecord.decode(data, name)
+        return kind, ident, rank, StageLiveness.decode(data, name)
+    except Exception as e:  # noqa: BLE001 - whatever a key holds, the others still count
+        log.warning("ignoring bad registry value at %r: %s", name[:200], e)
+        return None
+
+
+def assemble(entries: Any) -> tuple[tuple[Worker, ...], dict[str, MeshRecord], dict[str, dict[int, StageLiveness]]]:
+    """Routable workers, mesh replicas and live stages from parsed entries: a pipeline is routable
+    while the liveness keys of all its stages are present."""
+    pipelines: dict[str, Worker] = {}
+    decodes: dict[str, Worker] = {}
+    meshes: dict[str, MeshRecord] = {}
+    stages: dict[str, dict[int, StageLiveness]] = {}
+    for kind, ident, rank, obj in entries:
+        if kind == "prefill":
+            pipelines[ident] = obj
+        elif kind == "decode":
+            decodes[ident] = obj
+        elif kind == "mesh":
+            meshes[ident] = obj
+        else:
+            stages.setdefault(ident, {})[rank] = obj
+    out: list[Worker] = []
+    for pid, w in sorted(pipelines.items()):
+        live = stages.get(pid, {})
+        if all(r in live for r in range(w.record.pp_size)):  # type: ignore[union-attr]
+            out.append(w)
+    out += [w for _, w in sorted(decodes.items())]
+    return tuple(out), meshes, stages
+
+
 def build_workers(keys: Keys, kv: dict[bytes, bytes]) -> tuple[tuple[Worker, ...], dict[str, MeshRecord],
                                                                  dict[str, dict[int, StageLiveness]]]:
     """Routable workers, mesh replicas and live stages from the raw key/values."""
-    pipelines: dict[str, PrefillRecord] = {}
-    decodes: dict[str, DecodeRecord] = {}
-    meshes: dict[str, MeshRecord] = {}
-    stages: dict[str, dict[int, StageLiveness]] = {}
-    for key, value in kv.items():
-        name = key.decode("utf-8", "replace")
-        what = None
-        try:  # one key at a time: a bad key or record is skipped, never the whole registry
-            key.decode("utf-8")   # a key that is not UTF-8 is not one of ours
-            what = keys.parse(key)
-            if what is None:
-                continue
-            kind, ident, rank = what
-            data = orjson.loads(value)
-            if kind == "prefill":
-                pipelines[ident] = check_record(PrefillRecord.decode(data, name), name)
-            elif kind == "decode":
-                decodes[ident] = check_record(DecodeRecord.decode(data, name), name)
-            elif kind == "mesh":
-                meshes[ident] = MeshRecord.decode(data, name)
-            else:
-                stages.setdefault(ident, {})[rank] = StageLiveness.decode(data, name)  # type: ignore[index]
-        except Exception as e:  # noqa: BLE001 - whatever a key holds, the others still count
-            if what is not None and what[0] in ("prefill", "decode"):
-                (pipelines if what[0] == "prefill" else decodes).pop(what[1], None)
-            log.warning("ignoring bad registry value at %r: %s", name[:200], e)
-    out: list[Worker] = []
-    for pid, rec in sorted(pipelines.items()):
-        live = stages.get(pid, {})
-        if all(r in live for r in range(rec.pp_size)):
-            out.append(Worker(id=pid, role="prefill", url=rec.url, model=rec.model, record=rec))
-    for did, drec in sorted(decodes.items()):
-        out.append(Worker(id=did, role="decode", url=drec.url, model=drec.model, record=drec))
-    return tuple(out), meshes, stages
+    return assemble(e for e in (parse_entry(keys, k, v) for k, v in kv.items()) if e is not None)
 
 
 class EtcdRegistry:
     def __init__(self, cfg: EtcdConfig, *, heartbeat_s: float = 2.0,
-                 on_stale: Callable[[bool], None] | None = None) -> None:
+                 on_stale: Callable[[bool], None] | None = None, debounce_s: float = 0.05) -> None:
+        """`debounce_s`: watch events within this long of each other make one rebuild of the
+        routing view (a burst of 1,600 puts or one `delete_prefix` is one rebuild, not 1,600)."""
         self.cfg = cfg
         self.keys = cfg.keys
         self.heartbeat_s = heartbeat_s
         self._on_stale = on_stale
-        self._kv: dict[bytes, bytes] = {}
+        self.debounce_s = debounce_s
+        self._entries: dict[bytes, Entry] = {}   # each key parsed once, when its value changes
+        self._pending: asyncio.TimerHandle | None = None
+        self.publishes = 0
+        self.events = 0
         self._rev: int | None = None     # last revision applied; None: list again
         self._workers: tuple[Worker, ...] = ()
         self.meshes: dict[str, MeshRecord] = {}
@@ -139,6 +165,8 @@ class EtcdRegistry:
             log.warning("etcd at %s not reachable yet; starting with an empty registry", self.cfg.endpoints)
 
     async def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -155,8 +183,21 @@ class EtcdRegistry:
             self._on_stale(stale)
 
     def _publish(self) -> None:
-        self._workers, self.meshes, self.stages = build_workers(self.keys, self._kv)
+        self._pending = None
+        self._workers, self.meshes, self.stages = assemble(self._entries.values())
+        self.publishes += 1
         self._on_change()
+
+    def _publish_soon(self) -> None:
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().call_later(self.debounce_s, self._publish)
+
+    def _apply(self, key: bytes, value: bytes | None) -> None:
+        e = parse_entry(self.keys, key, value) if value is not None else None
+        if e is None:
+            self._entries.pop(key, None)
+        else:
+            self._entries[key] = e
 
     async def _loop(self) -> None:
         backoff = 0.1
@@ -202,20 +243,22 @@ class EtcdRegistry:
 
     async def _relist(self, client: aetcd.Client) -> None:
         res = await client.get_prefix(self.keys.root.encode())
-        self._kv = {kv.key: kv.value for kv in res.kvs}
+        self._entries = {}
+        for kv in res.kvs:
+            self._apply(kv.key, kv.value)
         self._rev = res.header.revision
         self.relists += 1
+        if self._pending is not None:
+            self._pending.cancel()
         self._publish()
 
     async def _consume(self, watch: aetcd.Watch) -> None:
         async for ev in watch:
             kv = ev.kv
-            if ev.kind == aetcd.EventKind.PUT:
-                self._kv[kv.key] = kv.value
-            else:
-                self._kv.pop(kv.key, None)
+            self._apply(kv.key, kv.value if ev.kind == aetcd.EventKind.PUT else None)
             self._rev = max(self._rev or 0, kv.mod_revision)
-            self._publish()
+            self.events += 1
+            self._publish_soon()
         raise aetcd.ClientError("watch ended")
 
     async def _heartbeat(self, client: aetcd.Client) -> None:
