@@ -48,6 +48,7 @@ class LeaseKeeper:
         # a key still held by a dead predecessor disappears within one TTL: wait that long
         self.takeover_wait = ttl + 2.0 if takeover_wait is None else takeover_wait
         self.groups: dict[str, LeaseGroup] = {}
+        self.repairs = 0          # our keys found changed or deleted and put back
         self._client: aetcd.Client | None = None
         self._endpoint = 0
         self._lock = asyncio.Lock()
@@ -134,10 +135,24 @@ class LeaseKeeper:
                     g.lease_id = (await c.lease(self.ttl)).id
                 else:
                     await self._grant_and_put(g)
+            elif not g.withdrawn:
+                await self._check_keys(c, g)
             g.last_ok = time.monotonic()
         except aetcd.ClientError as e:
             log.warning("keepalive of %s failed (%s); retrying", g.name, e)
             await self._reset_client()
+
+    async def _check_keys(self, c: aetcd.Client, g: LeaseGroup) -> None:
+        """Our keys as we put them: one overwritten (another record under our id, a hijack) or deleted
+        behind our back is put back, under our lease, and said so (issue 16)."""
+        for key, value in list(g.entries.items()):
+            got = await c.get(key)
+            if got is not None and got.value == value and got.lease == g.lease_id:
+                continue
+            self.repairs += 1
+            log.warning("registry key %s was %s behind this worker's back; putting it back", key.decode(errors="replace"),
+                        "deleted" if got is None else "changed")
+            await c.put(key, value, lease=g.lease_id)
 
     # -- changes --------------------------------------------------------------------------
 

@@ -443,3 +443,38 @@ async def test_record_churn_is_parsed_per_key_and_rebuilt_in_batches(etcd, http)
             await e.close()
         await fleet.close()
         await runner.cleanup()
+
+
+async def test_a_worker_puts_back_its_own_key_when_it_is_hijacked_or_deleted(etcd, http):
+    """issue 16: a worker never noticed its record overwritten (a hijacked record received clients'
+    prompts) or deleted. Now its keepalive checks its keys every TTL/3 and puts them back."""
+    from workers.mock import FleetSpec, MockFleet
+
+    app, runner, url = await start_mesh(etcd.url)
+    fleet = MockFleet(FleetSpec(prefill=1, decode=1))
+    await fleet.start()
+    enrolled = await fleet.enroll(EtcdConfig.from_url(etcd.url), ttl=TTL)
+    client = open_client(EtcdConfig.from_url(etcd.url))
+    keys = EtcdConfig().keys
+    try:
+        await wait_for(lambda: routable(app) and routable(app, "decode"), 5.0)
+        dkey, pkey = keys.decode(fleet.decodes[0].id), keys.prefill(fleet.prefills[0].id)
+        mine = (await client.get(dkey)).value
+        hijacked = orjson.loads(mine)
+        hijacked["url"] = "http://127.0.0.1:9"   # someone else's server
+        await client.put(dkey, orjson.dumps(hijacked))
+        await client.delete(pkey)
+        await wait_for(lambda: not routable(app), 2.0)   # the mesh saw the deletion ...
+        took = await wait_for(lambda: routable(app) and {w.url for w in app[STATE].fleet.registry.workers()
+                                                         if w.role == "decode"} == {fleet.decodes[0].url}, TTL + 3)
+        print(f"\nhijacked and deleted keys put back by their workers within {took:.2f}s")
+        assert (await client.get(dkey)).value == mine
+        assert sum(e.keeper.repairs for e in enrolled) == 2
+        async with http.post(url + "/v1/completions", json=BODY) as r:
+            assert r.status == 200
+    finally:
+        await client.close()
+        for e in enrolled:
+            await e.close()
+        await fleet.close()
+        await runner.cleanup()
