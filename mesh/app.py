@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mesh import __version__
 from mesh.config import MeshConfig
-from mesh.errors import Forbidden, MeshError, PayloadTooLarge, Unauthorized, error_body
+from mesh.errors import Forbidden, MeshError, PayloadTooLarge, RequestTimeout, Unauthorized, error_body
 from mesh.admission import Admission
 from mesh.fleet import Fleet, Registry, StaticRegistry
 from mesh.ledger import Ledger
@@ -137,9 +137,12 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         # the key before the body: an unauthenticated client gets its 401 without us reading a byte
         key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
         try:
-            raw = await request.read()
+            async with asyncio.timeout(st.cfg.limits.body_timeout_s):  # a slow upload holds no slot for long
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"body exceeds the limit of {st.cfg.limits.max_body_bytes} bytes") from None
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {st.cfg.limits.body_timeout_s:g}s") from None
         creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
@@ -151,7 +154,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         status = e.status
         if e.status >= 500:
             log.warning("request %s failed: %s", rid, e.message)
-        return error_response(e, rid)
+        resp = error_response(e, rid)
+        if isinstance(e, RequestTimeout):  # the rest of the body is not read: no keep-alive after it
+            resp.force_close()
+        return resp
     except asyncio.CancelledError:
         status = 499  # the client left
         raise
@@ -347,10 +353,15 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Start serving `app`; returns the runner (call `cleanup()` to stop)."""
-    # idle keep-alive connections close after 75 s (aiohttp's default is about an hour)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=75.0)
+async def start_site(app: web.Application, host: str, port: int, keepalive_timeout: float = 75.0) -> web.AppRunner:
+    """Start serving `app`; returns the runner (call `cleanup()` to stop). A connection is closed
+    `keepalive_timeout` after it opened or answered its last request if no whole request head has
+    arrived meanwhile: idle keep-alive connections, and slowloris ones trickling a head (aiohttp
+    does not move that deadline for bytes that complete nothing; its default is about an hour)."""
+    # lingering_time: after an answer given before its body was read (a 408, a 413), at most 1 s of
+    # the rest is read and dropped, then the connection closes (aiohttp's default is 10 s)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive_timeout,
+                           lingering_time=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
     await site.start()

@@ -64,7 +64,10 @@ def _plan(tp: Any) -> tuple[_Check, _Enc | None]:
         def seq(v: Any, path: str) -> Any:
             if not isinstance(v, (list, tuple)):
                 _fail(path, f"expected array, got {type(v).__name__}")
-            return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(v))
+            try:   # the usual case first, without an element path per element
+                return tuple([inner(x, path) for x in v])
+            except ProtocolError:   # again, to name the element at fault
+                return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(v))
 
         return seq, (lambda v: [enc(x) for x in v]) if enc else list
     if isinstance(tp, type) and hasattr(tp, "__wire__"):
@@ -99,11 +102,18 @@ def message(cls: type[T]) -> type[T]:
         if not isinstance(data, dict):
             _fail(path or klass.__name__, f"expected object, got {type(data).__name__}")
         kw: dict[str, Any] = {}
-        for name, check, _enc, required in plan:
-            if name in data:
-                kw[name] = check(data[name], f"{path}.{name}" if path else name)
-            elif required:
-                _fail(f"{path}.{name}" if path else name, "missing")
+        try:   # the usual case first, without building each field's path
+            for name, check, _enc, required in plan:
+                if name in data:
+                    kw[name] = check(data[name], name)
+                elif required:
+                    raise ProtocolError(name)
+        except ProtocolError:   # again, to name the field at fault by its whole path
+            for name, check, _enc, required in plan:
+                if name in data:
+                    kw[name] = check(data[name], f"{path}.{name}" if path else name)
+                elif required:
+                    _fail(f"{path}.{name}" if path else name, "missing")
         if len(data) > len(kw):
             kw["extra"] = {k: v for k, v in data.items() if k not in known}
         return klass(**kw)

@@ -76,6 +76,12 @@ class PayloadTooLarge(MeshError):
     code = "payload_too_large"
 
 
+class RequestTimeout(MeshError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class Overloaded(MeshError):
     status = 429
     type = "rate_limit_error"

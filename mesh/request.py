@@ -27,11 +27,12 @@ class Limits:
     max_body_bytes: int = 8 * 1024 * 1024
     max_tokens: int = 131072          # largest max_tokens a client may ask for
     max_prompt_chars: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0      # a request body must arrive within this (slow uploads: 408)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_tokens", "max_prompt_chars"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for name in ("max_body_bytes", "max_tokens", "max_prompt_chars", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 class ClientRequest:

@@ -126,3 +126,61 @@ async def test_a_flood_of_malformed_requests_is_logged_once_per_peer_without_its
         assert "atomesh_bad_http_requests_total" in await resp.text()
     async with http.post(pd.url + "/v1/completions", json={"model": "mock-model", "prompt": "ok", "max_tokens": 2}) as resp:
         assert resp.status == 200
+
+
+async def test_slow_heads_and_slow_bodies_are_cut_off(make_pd):
+    """issue 16 (slowloris): a client trickling its request head is disconnected once the
+    keep-alive deadline passes (bytes that complete no head do not move it); one trickling its body
+    gets a 408 after `body_timeout_s` and the connection closes. Normal requests are served."""
+    import dataclasses
+    import time
+
+    from mesh.app import STATE, bound_port, create_app, start_site
+    from mesh.request import Limits
+
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    cfg = dataclasses.replace(pd.state.cfg, limits=Limits(body_timeout_s=0.5))
+    app = create_app(cfg)
+    runner = await start_site(app, "127.0.0.1", 0, keepalive_timeout=1.0)
+    port = bound_port(runner)
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        closed = None
+        for _ in range(40):  # one header byte every 0.1 s, never finishing the head
+            await asyncio.sleep(0.1)
+            try:
+                w.write(b"X")
+                await w.drain()
+            except ConnectionError:
+                closed = time.monotonic() - t0
+                break
+            if r.at_eof() or (await _eof(r)):
+                closed = time.monotonic() - t0
+                break
+        w.close()
+        assert closed is not None and closed < 3.5, closed
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n{")
+        await w.drain()
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)   # the 408 ...
+        body = await asyncio.wait_for(r.read(), 5)                      # ... and the server closes
+        w.close()
+        assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in body, (head, body)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"model": "mock-model", "prompt": "ok", "max_tokens": 2}) as resp:
+                assert resp.status == 200
+    finally:
+        await runner.cleanup()
+
+
+async def _eof(r: asyncio.StreamReader) -> bool:
+    try:
+        return await asyncio.wait_for(r.read(1), 0.01) == b""
+    except TimeoutError:
+        return False
