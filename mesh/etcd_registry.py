@@ -105,6 +105,11 @@ def assemble(entries: Any) -> tuple[tuple[Worker, ...], dict[str, MeshRecord], d
             meshes[ident] = obj
         else:
             stages.setdefault(ident, {})[rank] = obj
+    for wid in pipelines.keys() & decodes.keys():
+        # the fleet keeps one breaker and one in-flight count per worker id: a decode record under a
+        # pipeline's id (or the other way round) would share them. Neither is routed until one goes.
+        log.warning("registry: %r is both a prefill pipeline and a decode engine; routing neither", wid[:200])
+        del pipelines[wid], decodes[wid]
     out: list[Worker] = []
     for pid, w in sorted(pipelines.items()):
         live = stages.get(pid, {})

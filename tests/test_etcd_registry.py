@@ -387,6 +387,14 @@ def test_bad_keys_and_records_are_skipped_one_by_one():
           root + b"prefill/pp0": orjson.dumps({"id": "p", "model": "m", "url": "http://127.0.0.1:9100", "pp_size": 0})}
     workers, _, _ = build_workers(keys, kv)
     assert [w.id for w in workers] == ["good"]
+    # one id for a pipeline and a decode (the fleet keys its breakers and counts by id): neither routes
+    twin = {root + b"decode/twin": rec(7), root + b"prefill/twin": orjson.dumps(
+        {"id": "twin", "model": "m", "url": "http://127.0.0.1:9101", "pp_size": 1}),
+        root + b"prefill/twin/stage/0": orjson.dumps({"pid": 1, "host": "127.0.0.1", "kv_port": 1, "started_at": 0.0})}
+    assert {w.id for w in build_workers(keys, {**kv, **{k: v for k, v in twin.items() if b"decode" not in k}})[0]} \
+        == {"good", "twin"}   # alone, the pipeline routes
+    workers, _, _ = build_workers(keys, {**kv, **twin})
+    assert [w.id for w in workers] == ["good"]
 
 
 async def test_record_churn_is_parsed_per_key_and_rebuilt_in_batches(etcd, http):
