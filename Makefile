@@ -5,10 +5,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 
-.PHONY: run test bench clean venv sysdeps vllm-venv
+.PHONY: run test bench clean venv sysdeps sysdeps-run vllm-venv
 
 # Debian packages the tests need: a real etcd server, libibverbs1 for Mooncake, chromium for the
 # dashboard test. Installed only when missing (CI runs as root; elsewhere sudo is used when present).
+# `make run` needs only etcd (its workers move KV with ZMQ).
 APT_PKGS := etcd-server libibverbs1 chromium
 SUDO := $(shell [ "$$(id -u)" -ne 0 ] && command -v sudo)
 sysdeps:
@@ -17,6 +18,13 @@ sysdeps:
 		echo "installing Debian packages: $(APT_PKGS)"; \
 		$(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(APT_PKGS) >/dev/null; \
+	fi
+
+sysdeps-run:
+	@if ! command -v etcd >/dev/null 2>&1; then \
+		echo "installing Debian packages: etcd-server"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; \
 	fi
 
 $(BIN)/python:
@@ -56,7 +64,7 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
-run: sysdeps $(VENV)/.stamp-run
+run: sysdeps-run $(VENV)/.stamp-run
 	$(BIN)/mesh demo
 
 test: sysdeps $(VENV)/.stamp-test $(VLLM_STAMP)
@@ -66,4 +74,4 @@ bench: $(VENV)/.stamp-test
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .run

@@ -139,6 +139,7 @@ async def _serve(cfg: MeshConfig, stop: asyncio.Event, announce: str | None = No
 
     if not (cfg.prefill or cfg.decode or cfg.workers or cfg.etcd):
         raise ConfigError("no workers: give --prefill/--decode (PD), --worker (regular), --config or --etcd")
+    _port_free(cfg.host, cfg.port)
     if not _loopback(cfg.host) and not cfg.admin_token:
         log.warning("mesh serves on %s without an admin token: /workers, /kv/ledger and the dashboard map every "
                     "worker to anyone who can reach it; set --admin-token or ATOMESH_ADMIN_TOKEN (docs/security.md)",
@@ -261,9 +262,22 @@ def cmd_register(a: argparse.Namespace) -> None:
 # -- workers ----------------------------------------------------------------------------------
 
 def cmd_workers(a: argparse.Namespace) -> None:
+    import aetcd
+    import httpx
+
     from mesh.workers_table import from_etcd, from_mesh, render
 
-    rows = asyncio.run(from_etcd(etcd_config(a))) if a.etcd else from_mesh(a.mesh, a.admin_token)
+    try:
+        rows = asyncio.run(from_etcd(etcd_config(a))) if a.etcd else from_mesh(a.mesh, a.admin_token)
+    except (aetcd.ClientError, OSError, TimeoutError) as e:
+        raise ConfigError(f"cannot read etcd at {a.etcd} ({type(e).__name__}): is it running, and is that its "
+                          "client URL? (`make run` prints the line with the demo's own etcd)") from None
+    except httpx.HTTPStatusError as e:
+        hint = " (give --admin-token)" if e.response.status_code in (401, 403) else ""
+        raise ConfigError(f"the mesh at {a.mesh} answered {e.response.status_code} to GET /workers{hint}") from None
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach the mesh at {a.mesh} ({type(e).__name__}): is `mesh serve` running "
+                          "there?") from None
     print(render(rows))
 
 
@@ -336,7 +350,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
 
     cfg = BenchConfig(url=a.url, model=a.model, requests=a.requests, concurrency=a.concurrency,
                       prompt_len=a.prompt_len, max_tokens=a.max_tokens, api_key=a.api_key)
-    s = summary(cfg, asyncio.run(run(cfg, progress=not a.quiet)))
+    # the progress line rewrites itself with \r: only on a terminal, never into a log file
+    s = summary(cfg, asyncio.run(run(cfg, progress=not a.quiet and sys.stderr.isatty())))
     print(table(s))
     if a.out:
         with open(a.out, "w") as f:
@@ -358,8 +373,22 @@ Try:
 print(c.chat.completions.create(model='tiny-llama', max_tokens=8, \\
 messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message)"
 
-Also: /v1/models  /workers  /kv/ledger  /ready  /metrics   (Ctrl-C stops everything)
+Also: /v1/models  /workers  /kv/ledger  /ready  /metrics   (Ctrl-C stops everything){workers_line}
 """
+
+
+def _port_free(host: str, port: int) -> None:
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as so:
+        so.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            so.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): another `make run` or mesh is "
+                              "there? stop it, or give --port") from None
 
 
 def _child(args: list[str], until: str, timeout: float = 180) -> tuple[Any, str]:
@@ -367,7 +396,7 @@ def _child(args: list[str], until: str, timeout: float = 180) -> tuple[Any, str]
     import subprocess
     import time
 
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert p.stdout is not None
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -387,6 +416,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
     from workers.engine.checkpoint import generate, tiny_config, write_tokenizer
 
+    _port_free(a.host, a.port)   # before anything starts: a second `make run` says so and leaves
     run = Path(a.dir)
     ckpt = run / "tiny-llama"
     if not (ckpt / "tokenizer.json").exists():   # a checkpoint with a real tokenizer (older ones had none)
@@ -397,6 +427,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
     kv = a.kv_backend   # zmq by default: the pinned Mooncake listens on every interface (docs/security.md)
     children: list[Any] = []
     etcd_url = None
+    data = None
     try:
         etcd_bin = shutil.which("etcd")
         if etcd_bin:
@@ -409,14 +440,14 @@ def cmd_demo(a: argparse.Namespace) -> None:
                     return so.getsockname()[1]
 
             cport, pport = free(), free()
-            data = tempfile.mkdtemp(prefix="etcd-", dir=run)
+            data = tempfile.mkdtemp(prefix="etcd-", dir=run)   # removed at exit: .run/ does not grow
             etcd_url = f"http://127.0.0.1:{cport}"
             peer = f"http://127.0.0.1:{pport}"
             children.append(subprocess.Popen(
                 [etcd_bin, "--name", "demo", "--data-dir", data, "--listen-client-urls", etcd_url,
                  "--advertise-client-urls", etcd_url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
                  peer, "--initial-cluster", f"demo={peer}", "--log-level", "error"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         me = [sys.executable, "-m", "mesh.cli", "--log-level", "WARNING"]
         common = ["--checkpoint", str(ckpt), "--model", "tiny-llama", "--kv-backend", kv, "--host", a.host]
         if etcd_url:
@@ -437,17 +468,21 @@ def cmd_demo(a: argparse.Namespace) -> None:
                              decode=(make_worker("decode", {"url": dline.split()[1], "model": "tiny-llama",
                                                             "tp_size": 2}, 0),))
             registry = "static registry: no etcd binary found"
-        text = DEMO_TEXT.replace("{registry}", registry).replace("{kv}", kv)
+        wl = f"\nThe fleet as etcd has it:  .venv/bin/mesh workers --etcd {etcd_url}" if etcd_url else ""
+        text = DEMO_TEXT.replace("{registry}", registry).replace("{kv}", kv).replace("{workers_line}", wl)
         _run(lambda stop: _serve(cfg, stop, announce=text))
     finally:
+        # in order: the decode and the prefill drain and withdraw from etcd, then etcd stops (the
+        # children run in their own sessions: a Ctrl-C reaches only this process, which stops them)
         for c in children[::-1]:
             if c.poll() is None:
                 c.terminate()
-        for c in children[::-1]:
             try:
                 c.wait(15)
             except Exception:  # noqa: BLE001 - last resort for a child that ignores SIGTERM
                 c.kill()
+        if data is not None:
+            shutil.rmtree(data, ignore_errors=True)
 
 
 # -- parser ---------------------------------------------------------------------------------

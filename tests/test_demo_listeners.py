@@ -5,7 +5,9 @@ spawned ranks' process groups use a FileStore instead of torch's TCPStore, which
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import time
 
 import httpx
@@ -42,5 +44,39 @@ def test_every_listener_of_the_demo_is_bound_to_its_host(tmp_path):
         assert len(procs) >= 7 and len(listening) >= 8, listening   # etcd, 2 workers, 2 ranks, the mesh...
         assert {ip for ip in listening.values()} == {"127.0.0.1"}, {k: v for k, v in listening.items()
                                                                     if v != "127.0.0.1"}
+        # Ctrl-C: the demo stops its workers (they drain and withdraw), then etcd, and says little
+        kids = procs[1:]
+        demo.p.send_signal(signal.SIGINT)
+        assert demo.p.wait(60) == 0
+        err = demo.p.stderr.read() if demo.p.stderr else ""
+        gone, alive = psutil.wait_procs(kids, timeout=20)
+        assert not alive, [p.cmdline() for p in alive]
+        lines = [x for x in err.splitlines() if x.strip()]
+        print(f"\nstop: {len(lines)} stderr line(s):", *lines[-10:], sep="\n  ")
+        assert len(lines) < 10 and "Traceback" not in err, err[-3000:]
+        with socket.socket() as so:   # the port is free again
+            so.bind(("127.0.0.1", port))
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("etcd-")]   # .run/ does not grow
     finally:
         demo.stop()
+
+
+def test_a_second_demo_on_a_busy_port_says_so_and_starts_nothing(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([MESH_BIN, "demo", "--port", str(port), "--dir", str(tmp_path)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"127.0.0.1:{port}" in r.stderr and "--port" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not any(tmp_path.iterdir())   # nothing generated, nothing started
+
+
+@pytest.mark.parametrize("args", [["workers", "--etcd", "http://127.0.0.1:{dead}"],
+                                  ["workers", "--mesh", "http://127.0.0.1:{dead}"]])
+def test_cli_failures_to_reach_etcd_or_the_mesh_are_one_line(args):
+    dead = _free()
+    r = subprocess.run([MESH_BIN, *[a.format(dead=dead) for a in args]], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("mesh: error:"), r.stderr
