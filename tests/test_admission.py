@@ -117,7 +117,7 @@ async def test_a_flood_of_malformed_requests_is_logged_once_per_peer_without_its
         w.write(b"GET / HTTP/1.1\r\nAuthorization: Bearer very-secret-token\r\nBad Header\x00: y\r\n\r\n")
         await w.drain()
         await r.read()
-        w.close()
+        await _close(w)
     lines = [rec for rec in caplog.records if rec.name == "aiohttp.server"]
     assert len(lines) <= 1 and all(rec.levelno == logging.WARNING for rec in lines), [r.getMessage() for r in lines]
     assert "very-secret-token" not in caplog.text and "Bad Header" not in caplog.text
@@ -159,7 +159,7 @@ async def test_slow_heads_and_slow_bodies_are_cut_off(make_pd):
             if r.at_eof() or (await _eof(r)):
                 closed = time.monotonic() - t0
                 break
-        w.close()
+        await _close(w)
         assert closed is not None and closed < 3.5, closed
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -167,7 +167,7 @@ async def test_slow_heads_and_slow_bodies_are_cut_off(make_pd):
         await w.drain()
         head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)   # the 408 ...
         body = await asyncio.wait_for(r.read(), 5)                      # ... and the server closes
-        w.close()
+        await _close(w)
         assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in body, (head, body)
         import aiohttp
 
@@ -184,3 +184,11 @@ async def _eof(r: asyncio.StreamReader) -> bool:
         return await asyncio.wait_for(r.read(1), 0.01) == b""
     except TimeoutError:
         return False
+
+
+async def _close(w: asyncio.StreamWriter) -> None:
+    w.close()
+    try:
+        await w.wait_closed()
+    except ConnectionError:
+        pass

@@ -127,18 +127,17 @@ async def test_sigkill_of_one_stage_makes_its_pipeline_unroutable(etcd, http):
         dec = fleet.lines[2].split()[1]
         regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "decode", "--url", dec,
                                 "--model", "mock-model", "--ttl", str(TTL)], "registered"))
-        for i, u in enumerate(pre):
-            ports = [s["kv_port"] for s in [{"kv_port": 0}, {"kv_port": 0}]]
-            del ports
-            # the head process keeps the record and stage 0; a separate process keeps stage 1 alive
-            regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "prefill", "--url", u,
-                                    "--model", "mock-model", "--id", f"pipe-{i}", "--pp-size", "2", "--ttl", str(TTL),
-                                    "--stage", "0:127.0.0.1:1:0-16", "--stage", "1:127.0.0.1:2:16-32"], "registered"))
-        # stage liveness is per process in real pipelines: stage 1 of pipe-0 gets its own process
-        keeper_cfg = EtcdConfig.from_url(etcd.url)
-        c = open_client(keeper_cfg)
-        await c.delete(keeper_cfg.keys.stage("pipe-0", 1))
-        await c.close()
+        # pipe-1: one process keeps the record and both stages' liveness keys; pipe-0: as real
+        # pipelines do, each stage's liveness in its own process (the record's process owns no stage key:
+        # a worker puts back its own keys, so a key must be owned by the process that dies with it)
+        regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "prefill", "--url", pre[0],
+                                "--model", "mock-model", "--id", "pipe-0", "--pp-size", "2", "--ttl", str(TTL)],
+                               "registered"))
+        regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "prefill", "--url", pre[1],
+                                "--model", "mock-model", "--id", "pipe-1", "--pp-size", "2", "--ttl", str(TTL),
+                                "--stage", "0:127.0.0.1:1:0-16", "--stage", "1:127.0.0.1:2:16-32"], "registered"))
+        regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "stage", "--pipeline-id", "pipe-0",
+                                "--stage", "0:127.0.0.1:1:0-16", "--ttl", str(TTL)], "registered"))
         stage1 = await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "stage", "--pipeline-id", "pipe-0",
                              "--stage", "1:127.0.0.1:2:16-32", "--ttl", str(TTL)], "registered")
         await wait_for(lambda: routable(app) == {"pipe-0", "pipe-1"}, 3)
