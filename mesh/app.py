@@ -97,8 +97,9 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # a 405 says what is allowed
         return web.Response(body=error_body(e.reason, "invalid_request_error", None, str(e.status)),
-                            status=e.status, content_type="application/json")
+                            status=e.status, content_type="application/json", headers=allow)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # noqa: BLE001 - the boundary: log it, answer 500 without internals

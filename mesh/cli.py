@@ -487,10 +487,32 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
 # -- parser ---------------------------------------------------------------------------------
 
+class _Help(argparse.HelpFormatter):
+    """Help that says each option's default (where it has one worth saying)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if "%(default)" not in h and action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and not isinstance(action.default, list):
+            h += " (default: %(default)s)"
+        return h
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mesh", description="Atomesh: a prefill/decode disaggregation gateway")
+    p = argparse.ArgumentParser(prog="mesh", description="Atomesh: a prefill/decode disaggregation gateway",
+                                formatter_class=_Help)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="cmd", required=True)
+    add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:   # every subcommand shows its defaults
+        kw.setdefault("formatter_class", _Help)
+        sp = add(name, **kw)
+        sp.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=argparse.SUPPRESS,
+                        help="as `mesh --log-level`, given after the subcommand")
+        return sp
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     s = sub.add_parser("serve", help="run the gateway")
     s.add_argument("--host", default="127.0.0.1")
@@ -631,6 +653,10 @@ def parser() -> argparse.ArgumentParser:
                    help="how KV moves between the workers (default: %(default)s; mooncake's ports listen on every "
                    "interface with the pinned mooncake-transfer-engine, whatever --host says)")
     d.set_defaults(func=cmd_demo)
+    for sp in sub.choices.values():   # options without a help line still say their default
+        for act in sp._actions:
+            if act.option_strings and act.help is None and act.default not in (None, False, argparse.SUPPRESS):
+                act.help = "(default: %(default)s)"
     return p
 
 
@@ -639,7 +665,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "workers" and bool(a.etcd) == bool(a.mesh):
         parser().error("mesh workers needs exactly one of --etcd URL or --mesh URL")
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if a.log_level != "DEBUG":   # third-party chatter only when asked for
+        for name in ("httpx", "httpcore", "aetcd", "grpc", "asyncio", "urllib3", "filelock", "torch"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         a.func(a)
     except (ConfigError, ValueError) as e:

@@ -22,7 +22,7 @@ A TOML file looks like::
     [[worker]]            # regular (non-PD) mode: one pool of full workers
     url = "http://10.0.0.3:8000"
 
-Any field of the PROTOCOL.md section 2 records may appear in a worker table; `model` may be
+Any field of the docs/protocol.md section 2 records may appear in a worker table; `model` may be
 left out, and is then learnt from the worker's `GET /v1/models`.
 """
 

@@ -3,7 +3,7 @@
 A dialect is chosen per registered worker (`mesh register --dialect`, the record's `dialect`)
 and a prefill pipeline is paired only with decode engines of its own dialect.
 
-- `atom` (native, PROTOCOL.md sections 4-5): prefill first with the decode's address in
+- `atom` (native, docs/protocol.md sections 4-5): prefill first with the decode's address in
   `kv_transfer_params`; the prefill's answer params go verbatim to the decode; the KV is
   tracked by the mesh's ledger and released by the consumer (or reclaimed by the mesh).
 - `vllm` (vLLM's NIXL connector, as its disaggregated proxy drives it):

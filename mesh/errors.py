@@ -144,7 +144,7 @@ class InsufficientKV(MeshError):
 
 
 class ProtocolError(MeshError):
-    """A message on a worker boundary does not match PROTOCOL.md."""
+    """A message on a worker boundary does not match docs/protocol.md."""
 
     status = 502
     type = "upstream_error"

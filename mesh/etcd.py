@@ -2,7 +2,7 @@
 
 `EtcdConfig` is the frozen connection configuration (endpoints, prefix, cluster, auth, TLS);
 `open_client` builds an `aetcd.Client` for it (with a TLS channel when CA/cert/key are set:
-aetcd itself only opens insecure channels); `Keys` names every key of PROTOCOL.md section 2.
+aetcd itself only opens insecure channels); `Keys` names every key of docs/protocol.md section 2.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Requests that are several PD requests: a list of prompts, or `n` > 1 (PROTOCOL.md section 9).
+"""Requests that are several PD requests: a list of prompts, or `n` > 1 (docs/protocol.md section 9).
 
 A prefill hands the KV of one sequence to one decode, and ATOM takes one string prompt, vLLM
 returns `kv_transfer_params` for the first prompt of a list only: so for flows with `fanout` the

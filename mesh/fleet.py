@@ -1,7 +1,7 @@
 """The mesh's live picture of its fleet: membership, health, load and the routing table.
 
 Membership comes from a `Registry` (static here, etcd later). Health comes from an active
-probe every `health_interval` seconds, gated by the worker's capabilities (PROTOCOL.md section 8):
+probe every `health_interval` seconds, gated by the worker's capabilities (docs/protocol.md section 8):
 `GET /load` where the worker declares `load_v1`, `GET /health` otherwise, and passively from
 failed calls. A worker that declares no capability (a static `--prefill URL`) is asked `GET /load`
 once: a load report there lists its capabilities; any other answer means it has none. The routing table is rebuilt only when membership or health changes; the

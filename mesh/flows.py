@@ -1,4 +1,4 @@
-"""PD flows: one per dialect, each declaring its steps (DESIGN.md item 14, PROTOCOL.md sections 4-5, 9).
+"""PD flows: one per dialect, each declaring its steps (docs/design.md item 14, docs/protocol.md sections 4-5, 9).
 
 A `Flow` says what differs between the engines behind the mesh; the orchestration loop that runs
 it (pick a pair -> prefill -> hand-off -> decode -> relay -> settle, one re-pair loop for failures

@@ -1,6 +1,6 @@
 """The KV ledger: every transfer from prefill to release, each ending in exactly one terminal state.
 
-PROTOCOL.md section 7. Per request:
+docs/protocol.md section 7. Per request:
 
     PREFILLING -> HELD (prefill returned its kv_transfer_params) -> DECODING (decode's first byte)
       -> RELEASED   the holder freed it on the consumer's `release`
@@ -13,7 +13,7 @@ PROTOCOL.md section 7. Per request:
       -> UNRECLAIMABLE  an orphaned transfer on an engine without a release API that no drain leg
                     could free (counted in atomesh_kv_unreclaimable_total, logged with the transfer)
 
-What it tracks (PROTOCOL.md sections 7-8): the transfers of pipelines with the holder API, and the
+What it tracks (docs/protocol.md sections 7-8): the transfers of pipelines with the holder API, and the
 orphaned transfers of pipelines without one (ATOM) that the mesh drains with a one-token decode leg
 (`orphan` -> RECLAIMED "drained" or UNRECLAIMABLE). Nothing else: an engine that manages its own KV
 (vLLM's lease, SGLang's rooms) is never polled for a listing it does not serve.

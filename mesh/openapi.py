@@ -1,4 +1,5 @@
-"""The mesh's OpenAPI 3.0 document, served at `/openapi.json` (and fuzzed by schemathesis in CI)."""
+"""The mesh's OpenAPI 3.0 document, served at `/openapi.json`: every route (tests check it against the
+app's router and validate it with openapi-spec-validator; schemathesis fuzzes it in CI)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from mesh import __version__
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+                   "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
 
 _COMMON = {
     "model": {"type": "string", "minLength": 1},
@@ -43,7 +44,7 @@ _CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
     "messages": {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["role"],
         "properties": {"role": {"type": "string", "minLength": 1},
-                       "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+                       "content": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "array", "items": {
                            "type": "object", "required": ["type"], "properties": {"type": {"type": "string"},
                                                                                  "text": {"type": "string"}}}}]}}}}}}
 
@@ -62,6 +63,9 @@ def _generation(schema: dict[str, Any], summary: str) -> dict[str, Any]:
 
 def document() -> dict[str, Any]:
     ok = {"200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}}
+    err = {"description": "an OpenAI error", "content": {"application/json": {"schema": _ERROR}}}
+    admin = {"security": [{"adminToken": []}, {}],  # the admin token, where `--admin-token` is set
+             "responses": {**ok, "401": err}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "Atomesh", "version": __version__,
@@ -73,5 +77,13 @@ def document() -> dict[str, Any]:
             "/health": {"get": {"summary": "Liveness", "responses": ok}},
             "/ready": {"get": {"summary": "Readiness (503 when no model can be served)", "responses": {
                 **ok, "503": {"description": "not ready", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "the text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/workers": {"get": {"summary": "The fleet: every worker, its health, load and record", **admin}},
+            "/kv/ledger": {"get": {"summary": "Open KV transfers and terminal counts", **admin}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": ok}},
+            "/dashboard": {"get": {"summary": "A live view of the fleet (HTML)", "responses": {"200": {
+                "description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
         },
+        "components": {"securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}}},
     }

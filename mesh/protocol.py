@@ -1,8 +1,8 @@
-"""Typed messages of the Atomesh wire protocol (../shared/PROTOCOL.md, v1).
+"""Typed messages of the Atomesh wire protocol (docs/protocol.md, v1).
 
 One definition per message, used by the mesh, the real worker adapters and the mock fleet
 alike. Every message keeps unknown fields in `extra` and writes them back on `encode()`.
-Sections refer to PROTOCOL.md.
+Sections refer to docs/protocol.md.
 """
 
 from __future__ import annotations

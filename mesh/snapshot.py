@@ -43,7 +43,7 @@ class Worker:
         object.__setattr__(self, "auth", {"Authorization": f"Bearer {key}"} if key else {})
 
     def has(self, capability: str) -> bool:
-        """PROTOCOL.md section 8: does the worker declare `capability`?"""
+        """docs/protocol.md section 8: does the worker declare `capability`?"""
         return capability in self.record.capabilities
 
 

@@ -65,7 +65,7 @@ def _as_openai_error(body: bytes, status: int) -> bytes:
 
 
 class Leg:
-    """One call to one worker, the only door to it on the request path (DESIGN.md item 13).
+    """One call to one worker, the only door to it on the request path (docs/design.md item 13).
 
     From `Upstream.open` to `close()` (or the end of `async with`) the worker is counted in flight;
     every failure is mapped here, once, onto the mesh's errors (with `may_hold_kv` declared by what

@@ -1,4 +1,4 @@
-"""ATOM behind `mesh serve` (PROTOCOL.md section 9), against fakes that answer as ATOM's source does
+"""ATOM behind `mesh serve` (docs/protocol.md section 9), against fakes that answer as ATOM's source does
 (tests/fakes/atom.py cites the files and commit), registered from TOML and from etcd; the same
 correctness checks against this project's mock fleet in the atom dialect."""
 
@@ -284,7 +284,7 @@ async def test_mock_fleet_in_the_atom_dialect_passes_the_same_checks(make_pd, ht
 
 
 async def test_capabilities_learnt_from_load_or_none(make_pd, http):
-    """PROTOCOL.md section 8: a static `--prefill URL` worker of this project is known by its /load
+    """docs/protocol.md section 8: a static `--prefill URL` worker of this project is known by its /load
     answer; an ATOM engine has no /load report, declares nothing and is probed at /health."""
     from mesh.config import make_worker
     from mesh.protocol import OWN_CAPABILITIES

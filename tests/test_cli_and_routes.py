@@ -159,3 +159,16 @@ def test_a_mesh_off_loopback_without_an_admin_token_is_told_and_ids_are_not_addr
     a, b = opaque_id("prefill", "10.1.2.3", 8100), _opaque("decode", "http://10.1.2.3:8200")
     assert a == opaque_id("prefill", "10.1.2.3", 8100) and "10.1.2.3" not in a + b and "8100" not in a
     assert a.startswith("prefill-") and b.startswith("decode-") and a != opaque_id("prefill", "10.1.2.3", 8101)
+
+
+def test_help_says_defaults_and_log_level_goes_anywhere():
+    """issue 17: help showed no defaults; `--log-level` worked only before the subcommand."""
+    import subprocess
+
+    from tests.conftest import MESH_BIN
+
+    out = subprocess.run([MESH_BIN, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "(default: 8000)" in out and "(default: 127.0.0.1)" in out and "default: None" not in out
+    r = subprocess.run([MESH_BIN, "workers", "--log-level", "ERROR", "--mesh", "http://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("mesh: error:") and "Traceback" not in r.stderr

@@ -136,7 +136,7 @@ async def test_sglang_decode_failure_is_re_paired_on_another_engine(make_pd, htt
 
 
 async def test_vllm_failed_decode_is_re_paired_never_retried_on_the_same_params(make_pd, http):
-    """vLLM frees the prefill's blocks when a decode is aborted (PROTOCOL.md section 9): a decode that
+    """vLLM frees the prefill's blocks when a decode is aborted (docs/protocol.md section 9): a decode that
     failed is never sent the same params again; the request is re-paired with a new prefill."""
     pd = await make_pd(FleetSpec(prefill=1, decode=2, dialect="vllm", ttl_s=0.5), decode_policy="round_robin",
                        unhealthy_after=100)

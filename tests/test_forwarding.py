@@ -1,4 +1,4 @@
-"""PROTOCOL.md sections 4-5 on the wire: what each leg receives, recorded by worker doubles."""
+"""docs/protocol.md sections 4-5 on the wire: what each leg receives, recorded by worker doubles."""
 
 from __future__ import annotations
 

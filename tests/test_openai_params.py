@@ -183,3 +183,14 @@ async def test_echo_with_logprobs_and_chat_top_logprobs_without_logprobs(worker)
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                              top_logprobs=2)
     assert param_of(e.value) == "top_logprobs"
+
+
+async def test_a_prompt_longer_than_the_model_names_the_prompt(worker):
+    """issue 17: a 2 MB prompt was refused naming `max_tokens` (on a PD prefill leg, the mesh's own 1)."""
+    client, _ = worker
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt="x" * 3000, max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "3000 tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt="x" * 2000, max_tokens=100)
+    assert e.value.body["param"] == "max_tokens"

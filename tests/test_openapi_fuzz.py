@@ -25,7 +25,7 @@ def check(resp) -> None:  # type: ignore[no-untyped-def]
 def test_every_operation_fuzzed(proc_pd):
     schema = schemathesis.openapi.from_url(proc_pd["url"] + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
-    assert len(ops) == 5
+    assert len(ops) == 10
     for op in ops:
         @given(case=op.as_strategy())
         @settings(max_examples=60 if op.method.upper() == "POST" else 5, deadline=None,
@@ -39,3 +39,27 @@ def test_every_operation_fuzzed(proc_pd):
 def test_openapi_document_served(proc_pd):
     doc = httpx.get(proc_pd["url"] + "/openapi.json").json()
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
+
+
+def test_openapi_document_is_valid_and_lists_every_route():
+    """issue 17: it declared 3.0.3 but used 3.1 syntax, and listed 5 of 10 routes."""
+    from openapi_spec_validator import validate
+
+    from mesh.app import create_app
+    from mesh.config import MeshConfig, make_worker
+    from mesh.openapi import document
+
+    doc = document()
+    validate(doc)
+    app = create_app(MeshConfig(port=0, prefill=(make_worker("prefill", {"url": "http://127.0.0.1:1", "model": "m"}, 0),),
+                                decode=(make_worker("decode", {"url": "http://127.0.0.1:2", "model": "m"}, 0),)))
+    routes = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+    documented = {(m, path) for path, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+
+
+def test_405_says_what_is_allowed(proc_pd):
+    r = httpx.get(proc_pd["url"] + "/v1/completions")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST" and r.json()["error"]["message"]
+    r = httpx.post(proc_pd["url"] + "/health")
+    assert r.status_code == 405 and "GET" in r.headers["Allow"]

@@ -1,4 +1,4 @@
-"""SGLang behind the mesh (PROTOCOL.md section 9), against a fake that bootstraps as SGLang's code
+"""SGLang behind the mesh (docs/protocol.md section 9), against a fake that bootstraps as SGLang's code
 does (tests/fakes/sglang.py cites the files and commits): one room on both legs, an IPv6 bootstrap
 host in brackets, lists of rooms for batches, n on completions refused clearly."""
 

@@ -1,4 +1,4 @@
-"""The KV side channel (PROTOCOL.md section 6) over real ZMQ sockets on loopback."""
+"""The KV side channel (docs/protocol.md section 6) over real ZMQ sockets on loopback."""
 
 from __future__ import annotations
 

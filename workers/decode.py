@@ -1,6 +1,6 @@
 """Decode adapter: an OpenAI server in front of a TP decode engine that pulls KV for PD.
 
-With `kv_transfer_params.do_remote_prefill` (PROTOCOL.md section 5): the prompt is tokenized
+With `kv_transfer_params.do_remote_prefill` (docs/protocol.md section 5): the prompt is tokenized
 as the prefill did, blocks are allocated, every prefill stage is asked to write its layers into
 every rank's blocks (side channel, section 6), each rank releases to stage 0, and decoding
 continues from the prefill's `first_token_id` (which is emitted, not sampled again).
@@ -89,7 +89,7 @@ class DecodeServer(EngineServer):
         return await self.respond(request, gen, [Choice(0, seq_id, q, [params.first_token_id], first_lp)], kvp=kvp)
 
     async def receive(self, request: web.Request, gen: GenRequest, need: int, params: KVHandoffParams) -> Any:
-        """PROTOCOL.md section 5: pull the prefill's KV over the side channel into new blocks,
+        """docs/protocol.md section 5: pull the prefill's KV over the side channel into new blocks,
         release the prefill (every rank, to stage 0), continue from its first token."""
         async def pull(dst: list[int]) -> web.StreamResponse | None:
             ranks = self.kv.ranks()

@@ -1,4 +1,4 @@
-"""Mock fleet: prefill pipelines and decode engines that speak PROTOCOL.md, without a model.
+"""Mock fleet: prefill pipelines and decode engines that speak docs/protocol.md, without a model.
 
 A product feature for load tests and mesh tests at scale. Every mock worker is the real HTTP
 adapter (`workers.prefill.PrefillServer`, `workers.decode.DecodeServer`, or their vLLM / SGLang
@@ -157,6 +157,6 @@ class MockFleet:
 
 
 def capabilities(w: EngineServer) -> tuple[str, ...]:
-    """PROTOCOL.md section 8: a mock speaking this project's protocol serves all three; one speaking
+    """docs/protocol.md section 8: a mock speaking this project's protocol serves all three; one speaking
     vLLM's or SGLang's dialect serves none of them, as those engines do not."""
     return OWN_CAPABILITIES if w.dialect == "atom" else ()

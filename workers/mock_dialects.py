@@ -1,5 +1,5 @@
 """The mock fleet speaking vLLM's and SGLang's PD dialects (see `mesh.dialects`): the real
-prefill and decode adapters, with the hand-off of each engine in place of PROTOCOL.md's.
+prefill and decode adapters, with the hand-off of each engine in place of docs/protocol.md's.
 
 What each mock checks is what the real engine needs from the mesh, so a test through the mesh
 fails when the mesh sends the wrong thing:

@@ -116,6 +116,9 @@ def parse(kind: str, body: Any, tok: Tokenizer, vocab: int, max_model_len: int) 
     mt = 16 if mt is None else mt
     if type(mt) is not int or mt < 1:
         raise InvalidRequest("max_tokens must be a positive integer", param="max_tokens")
+    if len(ids) >= max_model_len:   # the prompt alone: name it (a PD prefill leg's max_tokens is the mesh's 1)
+        raise InvalidRequest(f"the prompt is {len(ids)} tokens; this model has {max_model_len} positions, room for "
+                             f"at most {max_model_len - 1} prompt tokens", param="prompt")
     if len(ids) + mt > max_model_len:
         raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds the model's "
                              f"{max_model_len} positions", param="max_tokens")

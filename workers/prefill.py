@@ -2,7 +2,7 @@
 each serve their KV heads), holding KV for PD.
 
 With `kv_transfer_params.do_remote_decode` the prompt is prefilled, its first token sampled,
-its blocks held (TransferHolder) and `kv_transfer_params` returned (PROTOCOL.md section 4); the
+its blocks held (TransferHolder) and `kv_transfer_params` returned (docs/protocol.md section 4); the
 decode engine pulls the blocks over the side channel (every stage serves its own layers) and
 releases them to stage 0, or the mesh posts `/kv/release`, or the TTL fires. Without it: a whole
 generation (the engine alone).

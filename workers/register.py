@@ -1,6 +1,6 @@
 """Worker enrollment in etcd: the library our own workers call, and `mesh register`.
 
-An `Enrollment` puts a worker's keys (PROTOCOL.md section 2) under leases kept alive by a
+An `Enrollment` puts a worker's keys (docs/protocol.md section 2) under leases kept alive by a
 `LeaseKeeper`: a prefill pipeline's record under the head's lease and each stage's liveness
 key under that stage's own lease; a decode engine's record under its lease. Beside an
 external engine (ATOM, vLLM, SGLang) it health-checks the engine and withdraws its keys while

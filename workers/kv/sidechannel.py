@@ -1,4 +1,4 @@
-"""KV side channel (PROTOCOL.md section 6): write_request / write_done / release over ZMQ.
+"""KV side channel (docs/protocol.md section 6): write_request / write_done / release over ZMQ.
 
 Shared by the mock fleet and the real worker adapters. Push mode: the consumer (decode)
 asks every prefill stage to write; each stage writes its layers into every consumer rank
