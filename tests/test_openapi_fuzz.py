@@ -25,7 +25,9 @@ def check(resp) -> None:  # type: ignore[no-untyped-def]
 def test_every_operation_fuzzed(proc_pd):
     schema = schemathesis.openapi.from_url(proc_pd["url"] + "/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
-    assert len(ops) == 10
+    labels = {op.label for op in ops}
+    assert {"GET /workers", "GET /kv/ledger", "GET /metrics", "GET /dashboard", "POST /v1/completions"} <= labels
+    assert len(ops) >= 9, labels   # every route (schemathesis may leave out the document itself)
     for op in ops:
         @given(case=op.as_strategy())
         @settings(max_examples=60 if op.method.upper() == "POST" else 5, deadline=None,
