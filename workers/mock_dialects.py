@@ -77,6 +77,10 @@ class _Client:
         if self._http is not None:
             await self._http.close()
 
+    async def stop(self) -> None:   # before the adapter's own stop (the next class in the MRO)
+        await self.close_http()
+        await super().stop()  # type: ignore[misc]
+
 
 # -- vllm -------------------------------------------------------------------------------------
 
@@ -121,10 +125,6 @@ class VllmPrefill(PrefillServer):
 
 class VllmDecode(_Client, DecodeServer):
     dialect = "vllm"
-
-    async def stop(self) -> None:
-        await self.close_http()
-        await super().stop()
 
     async def handle(self, request: web.Request, gen: GenRequest, body: dict[str, Any]) -> web.StreamResponse:
         kvp = body.get("kv_transfer_params")
@@ -211,10 +211,6 @@ class SglangPrefill(PrefillServer):
 
 class SglangDecode(_Client, DecodeServer):
     dialect = "sglang"
-
-    async def stop(self) -> None:
-        await self.close_http()
-        await super().stop()
 
     async def handle(self, request: web.Request, gen: GenRequest, body: dict[str, Any]) -> web.StreamResponse:
         if "bootstrap_room" not in body:
