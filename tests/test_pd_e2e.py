@@ -321,8 +321,8 @@ def free_port_run(n: int) -> int:
         try:
             for i in range(n):
                 s = socket.socket()
+                socks.append(s)   # closed below even when its bind fails
                 s.bind(("127.0.0.1", base + i))
-                socks.append(s)
             return base
         except OSError:
             continue
