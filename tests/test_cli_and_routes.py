@@ -151,7 +151,7 @@ def test_mesh_bench_against_the_mesh(proc_pd, tmp_path):
 def test_a_mesh_off_loopback_without_an_admin_token_is_told_and_ids_are_not_addresses():
     """issue 16: `mesh serve` warns when it listens beyond loopback with its admin routes open; a
     worker's default id (shown in /metrics, logs, registry keys) is stable but not its address."""
-    from mesh.cli import _loopback, _opaque
+    from mesh.clikit import loopback as _loopback, opaque_worker_id as _opaque
     from workers.launch import opaque_id
 
     assert all(_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"))

@@ -1,0 +1,1 @@
+"""The `mesh demo` supervisor (demo/supervisor.py)."""
