@@ -117,6 +117,7 @@ def cmd_worker(a: argparse.Namespace) -> None:
     from workers.engine.dist import RankDied
     from workers.launch import EXIT, serve_worker
 
+    quiet_native_logs(a)
     etcd = etcd_config(a) if a.etcd else None
     try:
         run_until_stopped(lambda stop: serve_worker(a.cmd, a, stop, etcd))
@@ -125,6 +126,14 @@ def cmd_worker(a: argparse.Namespace) -> None:
         sys.exit(3)
     if EXIT["code"]:
         sys.exit(EXIT["code"])
+
+
+def quiet_native_logs(a: argparse.Namespace) -> None:
+    """Mooncake logs INFO and up, ~10 lines per process at start: at WARNING unless `--log-level
+    DEBUG` (as the Python side's third-party loggers). Its own variable (MC_LOG_LEVEL; its glog
+    ignores GLOG_minloglevel), set before the library loads and inherited by the rank processes;
+    an operator's own MC_LOG_LEVEL wins."""
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if getattr(a, "log_level", "INFO") == "DEBUG" else "WARNING")
 
 
 def cmd_stage(a: argparse.Namespace) -> None:
@@ -136,6 +145,7 @@ def cmd_stage(a: argparse.Namespace) -> None:
         raise ConfigError(f"--head must be HOST:PORT, got {a.head!r}")
     if a.pp_rank < 1:
         raise ConfigError("--pp-rank must be >= 1 (stage 0 is the head, mesh prefill)")
+    quiet_native_logs(a)
     print(f"stage {a.pp_rank} joining {a.head}", flush=True)
     code = 0
     try:

@@ -53,7 +53,12 @@ class MooncakeTransport:
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", progress_timeout_s: int = 5) -> None:
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s))
-        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
+        # Mooncake's own log level (its glog ignores GLOG_minloglevel): WARNING unless the worker
+        # runs with --log-level DEBUG (workers/cli.py sets it first). One ERROR line stays at every
+        # start: "Local segment descriptor not found" is TcpTransport::allocateLocalSegmentID asking
+        # for a descriptor to extend before any exists (P2P-handshake mode logs the miss, then a new
+        # one is made): upstream and harmless (docs/engines.md, Mooncake).
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         from mooncake.engine import TransferEngine
 
         self._te = TransferEngine()
