@@ -61,6 +61,31 @@ def _int(v: Any) -> bool:
     return type(v) is int
 
 
+def _registered_stages(raw: dict[str, Any], pw: Worker) -> None:
+    """The stage addresses a prefill names (where the decode will connect and send its ranks'
+    segments) must be the pipeline's own, as its record says: a decode pulls only from registered
+    stages (issue 16). Stages the record does not place (kv_port 0: an engine enrolled without
+    --stage) are not checked."""
+    known = {(s.pp_rank, s.host, s.kv_port) for s in pw.record.stages if s.kv_port}
+    if not known:
+        return
+    named = []
+    stages = raw.get("stages")
+    if stages is not None:
+        if not isinstance(stages, list):
+            raise ProtocolError("kv_transfer_params.stages must be an array", param="kv_transfer_params.stages")
+        named += [(s.get("pp_rank"), s.get("host"), s.get("port")) if isinstance(s, dict) else (None, None, s)
+                  for s in stages]
+    # this project's workers: stage 0 is also remote_host:remote_port (an ATOM prefill's remote_port
+    # moves with its DP rank, port_offset: not a registered address)
+    if pw.has(HOLDER_API) and any(r == 0 for r, _, _ in known):
+        named.append((0, raw.get("remote_host"), raw.get("remote_port")))
+    for r, host, port in named:
+        if (r, host, port) not in known:
+            raise ProtocolError(f"kv_transfer_params names stage {r} at {host}:{port}, which is not a registered "
+                                f"stage of pipeline {pw.id}", param="kv_transfer_params.stages")
+
+
 class Flow:
     dialect = ""
     concurrent = False    # both legs at once, meeting on a rendezvous (SGLang)
@@ -137,6 +162,7 @@ class AtomFlow(Flow):
         if ft is not None and not _int(ft):
             raise ProtocolError("kv_transfer_params.first_token_id must be an integer or null",
                                 param="kv_transfer_params.first_token_id")
+        _registered_stages(raw, pw)
         params = dict(raw)   # every field of the prefill, types unchanged
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False

@@ -162,3 +162,31 @@ def test_a_record_can_name_only_an_atomesh_variable_as_its_token():
 def test_a_short_token_is_refused():
     with pytest.raises(ValueError, match="16"):
         FleetSpec(worker_token="short")
+
+
+async def test_a_prefill_naming_stages_not_its_own_sends_no_decode_there(pd, http):
+    """A prefill (compromised, or a stale answer) names a "stage" that is not in its pipeline's
+    record: the mesh refuses the hand-off before the decode leg, so the decode never connects there
+    with its ranks' segments; the transfer it held is released and the client's answer says why."""
+    fake_stage, port = await _router()
+    pre = pd.fleet.prefills[0]
+    real = pre.stage_addrs
+
+    def lying() -> tuple:
+        return tuple(dataclasses.replace(s, port=port) if s.pp_rank == 1 else s for s in real())
+
+    pre.stage_addrs = lying   # type: ignore[method-assign]
+    try:
+        async with http.post(pd.url + "/v1/completions", json=BODY) as r:
+            body = await r.json()
+            assert r.status == 502 and "not a registered stage" in body["error"]["message"], body
+        assert await _nothing_arrives(fake_stage)
+        assert pd.fleet.decodes[0].pulls == pd.fleet.decodes[0].pulls_failed == 0   # no decode leg was sent
+    finally:
+        fake_stage.close(0)
+        pre.stage_addrs = real   # type: ignore[method-assign]
+    assert await pd.wait_released() == 0
+    dec = pd.fleet.decodes[0]
+    assert dec.engine.blocks.free == dec.engine.blocks.num_blocks
+    async with http.post(pd.url + "/v1/completions", json=BODY) as r:   # the true stages still serve
+        assert r.status == 200
