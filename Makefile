@@ -8,12 +8,12 @@ PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 .PHONY: run test bench clean venv sysdeps sysdeps-run vllm-venv
 
 # Debian packages the tests need: a real etcd server, libibverbs1 for Mooncake, chromium for the
-# dashboard test. Installed only when missing (CI runs as root; elsewhere sudo is used when present).
+# dashboard test, openssl for the etcd TLS test's certificates. Installed only when missing (CI runs as root; elsewhere sudo is used when present).
 # `make run` needs only etcd (its workers move KV with ZMQ).
-APT_PKGS := etcd-server libibverbs1 chromium
+APT_PKGS := etcd-server libibverbs1 chromium openssl
 SUDO := $(shell [ "$$(id -u)" -ne 0 ] && command -v sudo)
 sysdeps:
-	@if ! command -v etcd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 || \
+	@if ! command -v etcd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 || \
 	    ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
 		echo "installing Debian packages: $(APT_PKGS)"; \
 		$(SUDO) apt-get update -qq && \

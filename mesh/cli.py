@@ -232,6 +232,31 @@ def add_commands(sub: Subcommands) -> None:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
 
+    e = sub.add("etcd-auth", "create the cluster's etcd users and roles (workers write their own keys, meshes "
+                "read the fleet and write their record) and enable auth; passwords from ATOMESH_ETCD_ROOT_PASSWORD, "
+                "ATOMESH_ETCD_MESH_PASSWORD, ATOMESH_ETCD_WORKER_PASSWORD",
+                "mesh etcd-auth --etcd https://etcd-0.etcd:2379 --etcd-ca /etc/etcd-tls/ca.crt --cluster prod")
+    add_etcd_options(e, required=True)
+    e.add_argument("--mesh-user", default="atomesh-mesh", help="the user meshes log in as")
+    e.add_argument("--worker-user", default="atomesh-worker", help="the user workers (and mesh register) log in as")
+    e.set_defaults(func=cmd_etcd_auth)
+
+
+def cmd_etcd_auth(a: argparse.Namespace) -> None:
+    from mesh.etcd_auth import AuthPlan, setup
+
+    def secret(var: str) -> str:
+        v = os.environ.get(var, "")
+        if not v:
+            raise ConfigError(f"set {var} (passwords come from the environment, never the command line)")
+        return v
+
+    plan = AuthPlan(root_password=secret("ATOMESH_ETCD_ROOT_PASSWORD"), mesh_user=a.mesh_user,
+                    mesh_password=secret("ATOMESH_ETCD_MESH_PASSWORD"), worker_user=a.worker_user,
+                    worker_password=secret("ATOMESH_ETCD_WORKER_PASSWORD"))
+    for line in asyncio.run(setup(etcd_config(a), plan)) or ["nothing to do: users, roles and auth were there"]:
+        print(line, flush=True)
+
 
 def _command_sources() -> list[tuple[str, Any]]:
     """(name, entry point or "module:function") of every side's add_commands, the gateway's first."""

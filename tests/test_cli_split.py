@@ -17,7 +17,7 @@ from mesh.cli import parser
 from tests.conftest import MESH_BIN
 
 ROOT = Path(__file__).resolve().parent.parent
-SIDES = {"serve": "mesh.cli", "workers": "mesh.cli", "bench": "mesh.cli", "prefill": "workers.cli",
+SIDES = {"serve": "mesh.cli", "workers": "mesh.cli", "bench": "mesh.cli", "etcd-auth": "mesh.cli", "prefill": "workers.cli",
          "decode": "workers.cli", "stage": "workers.cli", "register": "workers.cli", "mock-fleet": "workers.cli",
          "demo": "demo.supervisor"}
 

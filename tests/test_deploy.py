@@ -128,14 +128,14 @@ def test_etcd_is_three_members_that_name_each_other():
     env = {e["name"]: e.get("value") for e in container(sts)["env"]}
     svc, peer = sts["spec"]["serviceName"], next(p["containerPort"] for p in container(sts)["ports"]
                                                   if p["name"] == "peer")
-    want = ",".join(f"etcd-{i}=http://etcd-{i}.{svc}:{peer}" for i in range(3))
+    want = ",".join(f"etcd-{i}=https://etcd-{i}.{svc}:{peer}" for i in range(3))
     assert env["ETCD_INITIAL_CLUSTER"] == want
 
 
 def test_every_etcd_endpoint_is_a_member_client_url():
     sts = by_name("StatefulSet", "etcd")
     client = next(p["containerPort"] for p in container(sts)["ports"] if p["name"] == "client")
-    members = {f"http://etcd-{i}.{sts['spec']['serviceName']}:{client}" for i in range(sts["spec"]["replicas"])}
+    members = {f"https://etcd-{i}.{sts['spec']['serviceName']}:{client}" for i in range(sts["spec"]["replicas"])}
     for w in workloads():
         if w["metadata"]["name"] == "etcd":
             continue
@@ -183,7 +183,7 @@ def test_engine_pods_mount_the_models_claim_at_the_checkpoint_path():
     for name in ("prefill-p0", "decode"):
         w = by_name("StatefulSet", name)
         vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
-        (m,) = container(w)["volumeMounts"]
+        (m,) = [m for m in container(w)["volumeMounts"] if "persistentVolumeClaim" in vols[m["name"]]]
         assert vols[m["name"]]["persistentVolumeClaim"]["claimName"] == claim
         assert parser().parse_args(mesh_argv(w)).checkpoint.startswith(m["mountPath"] + "/")
 
@@ -191,13 +191,43 @@ def test_engine_pods_mount_the_models_claim_at_the_checkpoint_path():
 def test_images_and_dockerfile_agree():
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["mesh"]' in text and "torch==2.13.0" in text and "libibverbs1" in text
-    for sub in ("mesh", "policies", "workers"):
+    for sub in ("mesh", "policies", "workers", "demo"):
         assert f"COPY {sub} {sub}" in text
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()}
     for w in workloads():
         c = container(w)
         if c["image"].startswith("atomesh"):
             assert {p["containerPort"] for p in c["ports"] if not p["name"].startswith("ctrl")} <= exposed
+
+
+def test_etcd_speaks_tls_and_each_client_logs_in_as_its_role():
+    """etcd serves clients and peers over TLS (the etcd-tls Secret); the etcd-auth Job creates the
+    users (workers write their own keys, meshes read: tests/test_etcd_auth.py runs the same command
+    against a real etcd); the mesh logs in as atomesh-mesh, every worker pod as atomesh-worker,
+    each with the CA mounted where --etcd-ca points."""
+    sts = by_name("StatefulSet", "etcd")
+    env = {e["name"]: e.get("value") for e in container(sts)["env"]}
+    assert all(env[k].startswith("https://") for k in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS",
+                                                          "ETCD_ADVERTISE_CLIENT_URLS"))
+    assert env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true" and "ETCD_TRUSTED_CA_FILE" not in env
+    tls_vol = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert any(v.get("secret", {}).get("secretName") == "etcd-tls" for v in tls_vol.values())
+    (job,) = kind("Job")
+    jc = job["spec"]["template"]["spec"]["containers"][0]
+    jenv = {**by_name("ConfigMap", "atomesh-config")["data"], **by_name("Secret", "atomesh-etcd-users")["stringData"]}
+    ja = parser().parse_args([re.sub(r"\$\((\w+)\)", lambda m: jenv[m.group(1)], x) for x in jc["args"]])
+    assert ja.cmd == "etcd-auth" and (ja.mesh_user, ja.worker_user) == ("atomesh-mesh", "atomesh-worker")
+    assert {"ATOMESH_ETCD_ROOT_PASSWORD", "ATOMESH_ETCD_MESH_PASSWORD", "ATOMESH_ETCD_WORKER_PASSWORD"} <= set(jenv)
+    for w, user in ((by_name("Deployment", "atomesh-mesh"), "atomesh-mesh"),
+                    (by_name("StatefulSet", "decode"), "atomesh-worker"),
+                    (by_name("StatefulSet", "prefill-p0"), "atomesh-worker")):
+        e = env_of(w)
+        assert e["ATOMESH_ETCD_USER"] == user and len(e["ATOMESH_ETCD_PASSWORD"]) >= 12, w["metadata"]["name"]
+        a = parser().parse_args(mesh_argv(w))
+        vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+        mounts = [m for m in container(w)["volumeMounts"] if vols[m["name"]].get("secret", {}).get("secretName")
+                  == "etcd-tls"]
+        assert mounts and a.etcd_ca == mounts[0]["mountPath"] + "/ca.crt", w["metadata"]["name"]
 
 
 @pytest.mark.parametrize("name", ["prefill-p0", "decode", "atomesh-mesh"])

@@ -289,7 +289,7 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
                 etcd_map, pipeline_id, stage_map, ttl = args
                 # this stage's own credentials, from its own environment: none travel on this channel
                 etcd_cfg = EtcdConfig(**{**etcd_map, "endpoints": tuple(etcd_map.get("endpoints") or ()),
-                                         "username": os.environ.get("ATOMESH_ETCD_USERNAME"),
+                                         "username": os.environ.get("ATOMESH_ETCD_USER"),   # as --etcd-user
                                          "password": os.environ.get("ATOMESH_ETCD_PASSWORD")})
                 enrollment = Enrollment(etcd=etcd_cfg, record=None, stages=(StageRecord.decode(stage_map, "stage"),),
                                         pipeline_id=pipeline_id, cfg=EnrollConfig(ttl=ttl))
