@@ -312,8 +312,8 @@ async def test_replicas_register_and_admin_token(etcd, http):
                 await c.close()
             return {x.key.decode().rsplit("/", 1)[1] for x in kvs}
 
-        for _ in range(50):
-            if await replicas() == ids:
+        for _ in range(100):   # in etcd, then in the registry's view (rebuilt after a 50 ms debounce)
+            if await replicas() == ids and set(app1[STATE].fleet.registry.meshes) == ids:
                 break
             await asyncio.sleep(0.05)
         assert await replicas() == ids

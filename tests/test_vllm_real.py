@@ -135,8 +135,8 @@ def upstream_key() -> Iterator[None]:
 
 def _serve(tmp_path_factory: Any, lines: list[str]) -> Proc:
     toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
-    toml.write_text("\n".join(["[mesh]", "health_interval = 2.0", "[mesh.timeouts]", "prefill = 60",
-                               "decode_first_byte = 60", *lines]) + "\n")
+    toml.write_text("\n".join(["[mesh]", "health_interval = 2.0", "[mesh.timeouts]", "prefill = 180",
+                               "decode_first_byte = 180", *lines]) + "\n")
     return Proc([MESH_BIN, "serve", "--port", "0", "--config", str(toml)], "mesh ", {KEY_ENV: KEY})
 
 
