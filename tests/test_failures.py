@@ -161,6 +161,7 @@ async def test_prompt_larger_than_the_kv_pool_is_a_clear_400(make_pd, http):
     pd = await make_pd(FleetSpec(prefill=1, decode=1, num_blocks=2))
     code, raw = await post(http, pd.url, {**BODY, "prompt": "x" * 100})
     assert code == 400 and "needs more KV blocks than the pool has" in err(raw)["message"]
+    assert err(raw)["param"] == "prompt" and err(raw)["type"] == "invalid_request_error"
     assert pd.fleet.prefills[0].engine.blocks.free == 2
 
 
@@ -288,3 +289,15 @@ async def test_a_decode_that_fails_every_pull_does_not_take_healthy_pipelines_ou
         await runner.cleanup()
         for f in (pipes, bad, good):
             await f.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prompt_larger_than_the_pool_is_a_400_before_any_stream_in_regular_mode(make_pd, http, stream):
+    """The engine alone (regular mode): refused on arrival, so a streaming client gets the 400 too,
+    not a 200 with an error event."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, num_blocks=2), regular=True)
+    async with http.post(pd.url + "/v1/completions", json={**BODY, "prompt": "x" * 100, "stream": stream}) as r:
+        body = await r.json()
+        assert r.status == 400 and body["error"]["param"] == "prompt", body
+        assert "needs more KV blocks than the pool has" in body["error"]["message"]
+    assert all(d.engine.blocks.free == 2 for d in pd.fleet.decodes)

@@ -164,7 +164,8 @@ class PrefillServer(EngineServer):
         try:
             o = await q.get()
             if o.error:
-                return error_response(503 if self.failed else 400, o.error)
+                # a sequence the engine refused (a prompt no pool here can hold): the prompt's fault
+                return error_response(503, o.error) if self.failed else error_response(400, o.error, "prompt")
             seq = self.pp.seqs.get(tid)
             if seq is None or o.finish_reason not in ("hold", "stop", "length"):
                 return error_response(500, f"prefill of {tid} ended without holding its KV ({o.finish_reason})")

@@ -222,6 +222,9 @@ class EngineServer:
             self.queues.pop(seq_id, None)  # on the same one-thread executor (first in, first out)
             self.post(self.engine.abort, seq_id)
             raise
+        if seq.finish_reason == "error":  # refused on arrival (a prompt no pool here can hold): a 400, even
+            del self.queues[seq_id]       # for a stream (nothing is sent before it)
+            raise InvalidRequest(seq.error or "the engine refused the request", param="prompt")
         if seq.finish_reason is not None:  # done on arrival (a PD decode with max_tokens 1)
             q.put_nowait(StepOutput(seq_id, [], True, seq.finish_reason, seq.error))
         if self.inline and self.engine.step_s == 0 and getattr(self.engine, "instant", False):
@@ -418,7 +421,7 @@ class EngineServer:
                 while left:
                     c, o = await next_out()
                     if o.error:
-                        return error_response(500 if self.failed else 400, o.error)
+                        return error_response(500, o.error) if self.failed else error_response(400, o.error, "prompt")
                     if c.stops:  # a stop string may end it mid-step: token by token
                         for piece in _per_token(o):
                             left -= self._advance(c, *piece)
