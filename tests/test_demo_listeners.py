@@ -1,7 +1,7 @@
 """`make run`'s listeners (issue 16): the demo (`mesh demo`: etcd, a PP=2 prefill, a TP=2 decode,
 the mesh) binds every socket it listens on to the host it was given, here 127.0.0.1; none listens
 on every interface. (The pinned Mooncake would: the demo moves KV with ZMQ by default, and the
-spawned ranks' process groups use a FileStore instead of torch's TCPStore, which binds `::`.)"""
+spawned ranks' process groups use a FileStore: no listener at all.)"""
 
 from __future__ import annotations
 

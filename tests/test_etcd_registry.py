@@ -135,11 +135,11 @@ async def test_sigkill_of_one_stage_makes_its_pipeline_unroutable(etcd, http):
                                "registered"))
         regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "prefill", "--url", pre[1],
                                 "--model", "mock-model", "--id", "pipe-1", "--pp-size", "2", "--ttl", str(TTL),
-                                "--stage", "0:127.0.0.1:1:0-16", "--stage", "1:127.0.0.1:2:16-32"], "registered"))
+                                "--stage", "0:127.0.0.1:0:0-16", "--stage", "1:127.0.0.1:0:16-32"], "registered"))
         regs.append(await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "stage", "--pipeline-id", "pipe-0",
-                                "--stage", "0:127.0.0.1:1:0-16", "--ttl", str(TTL)], "registered"))
+                                "--stage", "0:127.0.0.1:0:0-16", "--ttl", str(TTL)], "registered"))
         stage1 = await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "stage", "--pipeline-id", "pipe-0",
-                             "--stage", "1:127.0.0.1:2:16-32", "--ttl", str(TTL)], "registered")
+                             "--stage", "1:127.0.0.1:0:16-32", "--ttl", str(TTL)], "registered")
         await wait_for(lambda: routable(app) == {"pipe-0", "pipe-1"}, 3)
         os.kill(stage1.p.pid, signal.SIGKILL)
         t0 = time.monotonic()

@@ -377,6 +377,17 @@ def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected
             return {x.key.decode().rsplit("/", 1)[1]: _orjson.loads(x.value)["pid"] for x in kvs if b"/stage/" in x.key}
 
         assert asyncio.run(stage_pids()) == {"0": head.p.pid, "1": stages[0].p.pid, "2": stages[1].p.pid}
+        # every listener of the head and its stages (the TCPStore's included) is bound to --host
+        import psutil
+
+        listening = {}
+        for pr in [head, *stages]:
+            ps = psutil.Process(pr.p.pid)
+            for q in [ps, *ps.children(recursive=True)]:
+                for cn in q.net_connections(kind="inet"):
+                    if cn.status == psutil.CONN_LISTEN:
+                        listening[(q.pid, cn.laddr.port)] = cn.laddr.ip
+        assert (head.p.pid, port) in listening and set(listening.values()) == {"127.0.0.1"}, listening
         # a plain TCP connect to a stage's control port (anyone with network reach) is not the stage
         # leaving: the head stays up and serves
         for r in (1, 2):

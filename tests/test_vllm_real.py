@@ -135,8 +135,10 @@ def upstream_key() -> Iterator[None]:
 
 def _serve(tmp_path_factory: Any, lines: list[str]) -> Proc:
     toml = tmp_path_factory.mktemp("mesh") / "mesh.toml"
-    toml.write_text("\n".join(["[mesh]", "health_interval = 2.0", "[mesh.timeouts]", "prefill = 180",
-                               "decode_first_byte = 180", *lines]) + "\n")
+    # CPU engines on a shared 2-core CI machine answer slowly (1-5 tok/s measured): generous timeouts
+    # and breakers, so that only a wrong answer or a real failure fails a test
+    toml.write_text("\n".join(["[mesh]", "health_interval = 2.0", "unhealthy_after = 10", "[mesh.timeouts]",
+                               "connect = 30", "prefill = 180", "decode_first_byte = 180", *lines]) + "\n")
     return Proc([MESH_BIN, "serve", "--port", "0", "--config", str(toml)], "mesh ", {KEY_ENV: KEY})
 
 

@@ -78,15 +78,38 @@ class Wire:
         return t.to(self.device)
 
 
+_STORE_SOCKETS: list[socket.socket] = []
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port only (for a TCPStore's server: `master_listen_fd`)."""
+    fam = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host.strip("[]"), port))
+        s.listen(512)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1", backend: str = "gloo",
                device: str = "cpu", store_path: str = "") -> Any:
     """A process group on a store: a FileStore at `store_path` for ranks spawned on this host (no
-    listener at all), else a TCPStore at host:port (rank 0 serves it; torch binds it on every
-    interface: remote stages only, docs/security.md). NCCL when the ranks hold distinct GPUs
+    listener at all), else a TCPStore at host:port (rank 0 serves it on a socket bound to `host`
+    only: remote stages). NCCL when the ranks hold distinct GPUs
     (NVLink multicast off: NCCL_NVLS_ENABLE=0 unless set); gloo otherwise, binding the address the
     host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
-    store = (dist.FileStore(store_path, world) if store_path else
-             dist.TCPStore(host, port, world, is_master=rank == 0, timeout=TIMEOUT))
+    if store_path:
+        store = dist.FileStore(store_path, world)
+    elif rank == 0:   # the store's server on a socket of our own, bound to `host` (torch's binds every interface)
+        lsock = bound_listener(host, port)
+        store = dist.TCPStore(host, port, world, is_master=True, timeout=TIMEOUT, master_listen_fd=lsock.fileno())
+        _STORE_SOCKETS.append(lsock)   # the store serves on its fd for the process's life
+    else:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=TIMEOUT)
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
