@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import orjson
@@ -88,6 +89,10 @@ async def test_decode_timeout_before_first_byte(make_pd, http):
                        timeouts=Timeouts(decode_first_byte=0.3))
     for d in pd.fleet.decodes:
         d.faults = MockFaults(hang=True)
+    deadline = time.monotonic() + 5   # both decodes routable (each after its first probe) before the request
+    while len(pd.state.fleet.table.candidates("decode", "mock-model")) < 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
     code, raw = await post(http, pd.url)
     assert code == 504 and err(raw)["code"] == "upstream_timeout"
     assert sum(d.requests for d in pd.fleet.decodes) == 2  # the first try and one retry

@@ -398,9 +398,10 @@ class EngineServer:
         for c in choices:
             c.start(tok, gen)
         want_ids = gen.return_token_ids
-        merged: asyncio.Queue[tuple[Choice, StepOutput]] = asyncio.Queue()
+        merged: asyncio.Queue[tuple[Choice, StepOutput]] | None = asyncio.Queue() if len(choices) > 1 else None
 
         async def feed(c: Choice) -> None:
+            assert merged is not None
             while True:
                 o = await c.q.get()
                 merged.put_nowait((c, o))
@@ -414,7 +415,7 @@ class EngineServer:
 
         live = [c for c in choices if c.finish is None]
         feeders = [asyncio.ensure_future(feed(c)) for c in live] if len(choices) > 1 else []
-        next_out = merged.get if len(choices) > 1 else only
+        next_out = merged.get if merged is not None else only
         left = len(live)
         try:
             if not gen.stream:
