@@ -262,6 +262,15 @@ class _Receive:
     got: set[tuple[int, int]] = field(default_factory=set)
 
 
+class _PullTimeout(Exception):
+    pass
+
+
+def _time_out(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(_PullTimeout())
+
+
 class ConsumerChannel:
     """The consumer side (a decode engine): asks stages to write, waits for all write_dones."""
 
@@ -321,17 +330,21 @@ class ConsumerChannel:
         if self._token is not None:
             req = dataclasses.replace(req, extra={**req.extra, "auth": write_mac(self._token, req)})
         frame = encode_frame(req)
+        # the deadline as a timer on the future itself (no wait_for task and shield per pull: this
+        # is every PD request's path); a caller that leaves cancels the future, which nobody else awaits
+        timer = asyncio.get_running_loop().call_later(deadline_s, _time_out, fut)
         try:
             for st in stages:
                 await self._dealers.get(st.host, st.port).send(frame)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), deadline_s)
-            except TimeoutError:
+                await fut
+            except _PullTimeout:
                 r = self._pending[params.transfer_id]
                 raise KVTransferError(
                     f"transfer {params.transfer_id}: {len(r.got)}/{r.expected} write_done "
                     f"within {deadline_s:.1f}s") from None
         finally:
+            timer.cancel()
             self._pending.pop(params.transfer_id, None)
 
     async def release(self, params: KVHandoffParams, tp_rank: int) -> None:
