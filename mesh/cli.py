@@ -1,4 +1,4 @@
-"""The `mesh` command: the gateway's subcommands (`serve`, `workers`, `bench`) and the dispatcher
+"""The `mesh` command: the gateway's subcommands (`serve`, `workers`, `bench`, `etcd-auth`) and the dispatcher
 that adds what the other sides register (entry points `atomesh.commands`: the workers'
 `prefill | decode | stage | register | mock-fleet` in workers/cli.py, the demo supervisor in
 demo/supervisor.py). argparse lives in these modules only: they build the frozen configs and hand
