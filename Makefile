@@ -67,7 +67,10 @@ vllm-venv: $(VLLM_STAMP)
 run: sysdeps-run $(VENV)/.stamp-run
 	$(BIN)/mesh demo
 
+# the type checker first (pyproject's [tool.mypy]: strict on contract/, mesh/, policies/; every
+# function typed in workers/), then the suite (tests/test_import_rules.py holds who imports whom)
 test: sysdeps $(VENV)/.stamp-test $(VLLM_STAMP)
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.stamp-test

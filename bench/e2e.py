@@ -18,13 +18,12 @@ import argparse
 import asyncio
 import json
 import statistics
-from dataclasses import asdict
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
-
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

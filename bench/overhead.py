@@ -35,9 +35,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mesh.protocol import KVRequestParams, handoff_for_decode  # noqa: E402
-
 from bench.procs import MESH, start  # noqa: E402
+from contract.protocol import KVRequestParams, handoff_for_decode  # noqa: E402
 
 
 @dataclass

@@ -10,11 +10,11 @@ import argparse
 import sys
 from typing import Any
 
+from contract.clikit import Subcommands, port_free, run_until_stopped
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig
 from mesh.cli import serve_until
-from mesh.clikit import Subcommands, port_free, run_until_stopped
 from mesh.config import MeshConfig
-from mesh.errors import ConfigError
-from mesh.etcd import EtcdConfig
 
 DEMO_TEXT = """
 Atomesh is up: a PD mesh on http://{host}:{port} in front of real workers on a small generated

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from mesh.errors import ConfigError, Overloaded
+from contract.errors import ConfigError, Overloaded
 
 
 @dataclass(frozen=True, slots=True)

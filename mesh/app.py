@@ -4,6 +4,9 @@
 (a client that leaves cancels its request, so both legs are cut and the KV released).
 Long-lived work (the pooled ClientSession, health probes, pending releases) lives in
 `cleanup_ctx` and is cancelled and awaited on shutdown.
+
+Size: the routes, their two middlewares and the runtime they share one `MeshState`; each route
+is a few lines.
 """
 
 from __future__ import annotations
@@ -19,21 +22,23 @@ from typing import Any, AsyncIterator
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from contract.errors import Forbidden, MeshError, PayloadTooLarge, RequestTimeout, Unauthorized, error_body
+from contract.snapshot import RoutingTable
 from mesh import __version__
-from mesh.config import MeshConfig
-from mesh.errors import Forbidden, MeshError, PayloadTooLarge, RequestTimeout, Unauthorized, error_body
 from mesh.admission import Admission
+from mesh.config import MeshConfig
+from mesh.dashboard import dashboard
 from mesh.fleet import Fleet, Registry, StaticRegistry
 from mesh.ledger import Ledger
-from mesh.dashboard import dashboard
 from mesh.metrics import Metrics
 from mesh.openapi import document as _openapi_document
 from mesh.proxy import Background, Proxy
+from mesh.reconcile import Reconciler
 from mesh.request import check_request_id, parse
 from mesh.tracing import Tracing
-from mesh.snapshot import RoutingTable
 from mesh.upstream import Upstream
 from policies import Policy, create
 
@@ -65,6 +70,7 @@ class MeshState:
     background: Background
     started_at: float
     ledger: Ledger
+    reconciler: Reconciler
     admission: Admission
     upstream: Upstream
     proxy: Proxy
@@ -88,7 +94,7 @@ def error_response(e: MeshError, request_id: str | None = None) -> web.Response:
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The one place where exceptions become HTTP answers; never a traceback in a body."""
     try:
         return await handler(request)
@@ -112,7 +118,7 @@ ADMIN_ROUTES = frozenset({"/workers", "/kv/ledger"})
 
 
 @web.middleware
-async def admin_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def admin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Admin routes need the admin bearer token when one is configured (constant-time check)."""
     token = request.app[STATE].cfg.admin_token
     if token is not None and (request.path in ADMIN_ROUTES or request.method not in ("GET", "HEAD")
@@ -144,6 +150,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             raise PayloadTooLarge(f"body exceeds the limit of {st.cfg.limits.max_body_bytes} bytes") from None
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {st.cfg.limits.body_timeout_s:g}s") from None
+        # (type: ignore below) the route table maps this handler to one of the parser's request kinds
         creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
@@ -254,8 +261,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     await st.fleet.probe_all(session, timeout=min(2.0, cfg.health_interval * 2))
     tasks = [asyncio.create_task(st.fleet.run_probes(session, cfg.health_interval), name="health-probes")]
     if cfg.pd:
-        await st.ledger.reconcile(full=True)  # after a restart: adopt what pipelines hold for this mesh id
-        tasks.append(asyncio.create_task(st.ledger.run(), name="kv-ledger"))
+        await st.reconciler.reconcile(full=True)  # after a restart: adopt what pipelines hold for this mesh id
+        tasks.append(asyncio.create_task(st.reconciler.run(), name="kv-ledger"))
     replica = None
     if cfg.etcd is not None:
         replica = _replica_keeper(st)
@@ -274,8 +281,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
 
 
 def _replica_keeper(st: MeshState) -> Any:
-    from mesh.enroll import LeaseKeeper
-    from mesh.protocol import MeshRecord
+    from contract.enroll import LeaseKeeper
+    from contract.protocol import MeshRecord
 
     cfg = st.cfg
     assert cfg.etcd is not None
@@ -301,7 +308,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                tracer_provider: Any = None) -> web.Application:
     """The mesh. `tracer_provider`: OpenTelemetry spans go there (else to the global SDK provider
     when one is configured; else no tracing)."""
-    from mesh import badlog
+    from contract import badlog
 
     badlog.install()   # malformed requests: one log line per peer per minute, no raw bytes
     if registry is None and cfg.etcd is not None:
@@ -324,17 +331,18 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                   on_rebuild=on_rebuild, kv_leak_after=cfg.kv_leak_after)
     ledger: Ledger  # the metrics read its gauges; bound below, before anything runs
     metrics_ = Metrics(fleet.in_flight_rows,
-                       lambda: (registry.stale, getattr(registry, "watch_restarts", 0)),  # type: ignore[union-attr]
+                       lambda: (registry.stale, getattr(registry, "watch_restarts", 0)),
                        lambda: ledger.gauge_rows(), lambda: fleet.kv_unaccounted.items())
     mesh_id = mesh_id or cfg.mesh_id or (f"mesh-{socket.gethostname()}-{cfg.port}" if cfg.port
                                          else f"mesh-{os.urandom(4).hex()}")
     upstream = Upstream(fleet, metrics_, cfg.timeouts)
-    ledger = Ledger(mesh_id, fleet, metrics_, upstream, grace_s=cfg.ledger_grace, interval_s=cfg.ledger_interval)
+    ledger = Ledger(mesh_id, fleet, metrics_, grace_s=cfg.ledger_grace)
+    reconciler = Reconciler(ledger, fleet, upstream, interval_s=cfg.ledger_interval)
     background = Background()
     tracing = Tracing.from_env(tracer_provider)
-    proxy = Proxy(cfg, fleet, upstream, metrics_, policies, background, mesh_id, ledger, tracing)
+    proxy = Proxy(cfg, fleet, upstream, metrics_, policies, background, mesh_id, ledger, reconciler, tracing)
     st = MeshState(cfg=cfg, mesh_id=mesh_id, fleet=fleet, metrics=metrics_, policies=policies,
-                   background=background, started_at=time.time(), ledger=ledger,
+                   background=background, started_at=time.time(), ledger=ledger, reconciler=reconciler,
                    admission=Admission(cfg.admission), upstream=upstream, proxy=proxy)
     app = web.Application(middlewares=[errors_middleware, admin_middleware],
                           client_max_size=cfg.limits.max_body_bytes)

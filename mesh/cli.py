@@ -17,8 +17,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from mesh.admission import AdmissionConfig
-from mesh.clikit import (
+from contract.clikit import (
     LOG_LEVELS,
     Help,
     Subcommands,
@@ -28,8 +27,9 @@ from mesh.clikit import (
     port_free,
     run_until_stopped,
 )
+from contract.errors import ConfigError
+from mesh.admission import AdmissionConfig
 from mesh.config import MeshConfig, Timeouts, load_toml, workers_from
-from mesh.errors import ConfigError
 from mesh.request import Limits
 
 log = logging.getLogger("mesh")
@@ -274,8 +274,9 @@ def _command_sources() -> list[tuple[str, Any]]:
 def _load(target: Any) -> Callable[[Subcommands], None]:
     if isinstance(target, str):
         mod, _, fn = target.partition(":")
+        # (type: ignore below) an entry point's target is the add_commands callable
         return getattr(importlib.import_module(mod), fn)  # type: ignore[no-any-return]
-    return target.load()  # type: ignore[no-any-return]
+    return target.load()  # type: ignore[no-any-return]  # an entry point's target is the add_commands callable
 
 
 def parser() -> argparse.ArgumentParser:

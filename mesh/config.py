@@ -29,19 +29,15 @@ left out, and is then learnt from the worker's `GET /v1/models`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig
+from contract.snapshot import Worker, make_worker
 from mesh.admission import AdmissionConfig
-from mesh.dialects import check_dialect
-from mesh.errors import ConfigError, ProtocolError
-from mesh.etcd import EtcdConfig
-from mesh.protocol import DecodeRecord, PrefillRecord, check_capabilities
 from mesh.request import Limits
-from mesh.snapshot import Worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,40 +116,6 @@ class MeshConfig:
     @property
     def pd(self) -> bool:
         return not self.workers
-
-
-def _check_url(url: Any, where: str) -> str:
-    if not isinstance(url, str):
-        raise ConfigError(f"{where}.url must be a string")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{where}.url must be an http(s) URL with a host, got {url!r}")
-    try:
-        _ = parts.port  # the property raises on a bad port
-    except ValueError:
-        raise ConfigError(f"{where}.url has a bad port: {url!r}") from None
-    return url.rstrip("/")
-
-
-def make_worker(role: str, spec: dict[str, Any], index: int, *, here: bool = True) -> Worker:
-    """A static worker from a TOML table or a bare `--prefill URL` flag (`here`: the mesh that routes
-    to it runs in this process, so an `api_key_env` must be set here)."""
-    where = f"{role}[{index}]"
-    url = _check_url(spec.get("url"), where)
-    data = {"id": f"{role}-{index}", "model": "", **spec, "url": url}
-    cls = PrefillRecord if role == "prefill" else DecodeRecord
-    try:
-        record = cls.decode(data, where)
-        check_dialect(record.dialect, f"{where}.dialect")
-        check_capabilities(record.capabilities, f"{where}.capabilities")
-        if here and record.api_key_env and not os.environ.get(record.api_key_env):
-            raise ProtocolError(f"{where}.api_key_env: the environment variable {record.api_key_env!r} is not set",
-                                param=f"{where}.api_key_env")
-        if getattr(record, "dp_size", 1) < 1 or record.tp_size < 1:
-            raise ProtocolError(f"{where}: tp_size and dp_size must be >= 1", param=f"{where}.dp_size")
-    except ProtocolError as e:
-        raise ConfigError(str(e)) from None
-    return Worker(id=record.id, role=role, url=url, model=record.model, record=record)  # type: ignore[arg-type]
 
 
 def load_toml(path: str) -> dict[str, Any]:

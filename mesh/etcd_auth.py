@@ -17,8 +17,8 @@ from typing import Any
 import aetcd
 from aetcd import rpc
 
-from mesh.errors import ConfigError
-from mesh.etcd import EtcdConfig, open_client
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig, open_client
 
 WORKER_ROLE = "atomesh-worker"
 MESH_ROLE = "atomesh-mesh"

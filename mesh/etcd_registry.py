@@ -23,11 +23,11 @@ from urllib.parse import urlsplit
 import aetcd
 import orjson
 
-from mesh.dialects import check_dialect
-from mesh.errors import ProtocolError
-from mesh.etcd import EtcdConfig, Keys, open_client
-from mesh.protocol import DecodeRecord, MeshRecord, PrefillRecord, StageLiveness, check_capabilities
-from mesh.snapshot import Worker
+from contract.dialects import check_dialect
+from contract.errors import ProtocolError
+from contract.etcd import EtcdConfig, Keys, open_client
+from contract.protocol import DecodeRecord, MeshRecord, PrefillRecord, StageLiveness, check_capabilities
+from contract.snapshot import Worker
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ def assemble(entries: Any) -> tuple[tuple[Worker, ...], dict[str, MeshRecord], d
     out: list[Worker] = []
     for pid, w in sorted(pipelines.items()):
         live = stages.get(pid, {})
+        # (type: ignore below) prefill workers' records are PrefillRecords
         if all(r in live for r in range(w.record.pp_size)):  # type: ignore[union-attr]
             out.append(w)
     out += [w for _, w in sorted(decodes.items())]
@@ -211,6 +212,7 @@ class EtcdRegistry:
             try:
                 if self._rev is None:
                     await self._relist(client)
+                # (type: ignore below) aetcd ships no type information
                 watch = await client.watch_prefix(self.keys.root.encode(), start_revision=self._rev + 1)  # type: ignore[operator]
                 self._set_stale(False)
                 self.synced.set()

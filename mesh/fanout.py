@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from mesh.errors import InvalidRequest, UpstreamError
+from contract.errors import InvalidRequest, UpstreamError
 from mesh.request import ClientRequest
 
 MAX_PARTS = 128

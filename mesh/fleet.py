@@ -19,9 +19,9 @@ from typing import Callable, Iterable, Protocol
 import aiohttp
 import orjson
 
-from mesh.errors import ProtocolError
-from mesh.protocol import LOAD_V1, LoadReport, check_capabilities
-from mesh.snapshot import RoutingTable, Worker
+from contract.errors import ProtocolError
+from contract.protocol import LOAD_V1, LoadReport, check_capabilities
+from contract.snapshot import RoutingTable, Worker
 
 log = logging.getLogger(__name__)
 

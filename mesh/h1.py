@@ -9,6 +9,9 @@ listings) still goes through the pooled `ClientSession`.
 Scope, on purpose small: one request at a time per connection (no pipelining), bodies
 framed by Content-Length, chunked transfer encoding, or connection close; connections
 pooled per (host, port, tls) and reused only when the answer was read to its end.
+
+Size: one client, connection pool and response reader that only make sense together; split, the
+per-request path would cross module boundaries for no reader's gain.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import asyncio
 import ssl as _ssl
 from collections import deque
 from typing import Any
+
+from contract.snapshot import split_url
 
 MAX_HEAD = 64 * 1024
 HIGH_WATER = 1 << 20
@@ -34,6 +39,7 @@ class _Conn(asyncio.Protocol):
         self.resp: H1Response | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (type: ignore below) asyncio types a Protocol's transport as BaseTransport; a stream connection's is a Transport
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
@@ -276,7 +282,7 @@ class H1Response:
         return out
 
     async def read(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             b = await self.readany()
             if not b:
@@ -362,17 +368,6 @@ class H1Pool:
             c.abort()
         self._all.clear()
         self._idle.clear()
-
-
-def split_url(url: str) -> tuple[str, int, bool, str]:
-    """'http://h:1/x' -> ('h', 1, False, '/x')."""
-    scheme, _, rest = url.partition("://")
-    hostport, _, path = rest.partition("/")
-    tls = scheme == "https"
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
-        host, port = hostport, ("443" if tls else "80")
-    return host.strip("[]"), int(port), tls, "/" + path if path else ""
 
 
 __all__: list[Any] = ["H1Pool", "H1Response", "H1Error", "split_url"]

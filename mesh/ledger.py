@@ -22,28 +22,23 @@ The mesh does not see the consumer's release (it goes decode -> stage 0 over ZMQ
 the outcome by reconciling with each pipeline's `GET /kv/held?since=SEQ`, which lists what is
 held and what was freed since SEQ, by which path. The same listing lets a restarted mesh adopt
 what pipelines still hold under its mesh id, and reclaim it after the grace period.
+
+This module is the state machine alone: no I/O, no tasks, time from an injected clock, so every
+transition is a unit test (tests/test_ledger_states.py). `mesh/reconcile.py` does the I/O: it asks
+the holders for their listings and posts the releases, and feeds the answers in here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-import orjson
-
-from mesh.errors import ProtocolError
-from mesh.protocol import HOLDER_API, HeldList
-from mesh.snapshot import Worker
-
-if TYPE_CHECKING:
-    from mesh.fleet import Fleet
-    from mesh.metrics import Metrics
-    from mesh.upstream import Upstream
+from contract.protocol import HeldList
+from contract.snapshot import Worker
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +74,29 @@ class Entry:
     drained: bool = False           # an orphan on an engine without the holder API: freed by a drain leg
 
 
+class Pools(Protocol):
+    """The fleet's per-pipeline free-block view: a held transfer's blocks out, a settled one's back."""
+    def kv_taken(self, worker_id: str, blocks: int) -> None: ...
+    def kv_returned(self, worker_id: str, blocks: int) -> None: ...
+
+
+class Outcomes(Protocol):
+    """Where terminal states are counted (the mesh's metrics)."""
+    def kv_terminal(self, state: str, reason: str, held_s: float | None) -> None: ...
+    def unreclaimable(self, pipeline: str) -> None: ...
+    def duplicate_release(self) -> None: ...
+
+
 class Ledger:
-    def __init__(self, mesh_id: str, fleet: "Fleet", metrics: "Metrics", upstream: "Upstream", *,
-                 grace_s: float = 5.0, interval_s: float = 0.5, full_interval_s: float = 10.0,
-                 recent: int = 200) -> None:
-        if grace_s <= 0 or interval_s <= 0 or full_interval_s <= 0:
-            raise ValueError("grace_s, interval_s and full_interval_s must be > 0")
+    def __init__(self, mesh_id: str, pools: Pools, outcomes: Outcomes, *, grace_s: float = 5.0,
+                 recent: int = 200, clock: Callable[[], float] = time.monotonic) -> None:
+        if grace_s <= 0:
+            raise ValueError("grace_s must be > 0")
         self.mesh_id = mesh_id
-        self.fleet = fleet
-        self.metrics = metrics
+        self.fleet = pools
+        self.metrics = outcomes
         self.grace_s = grace_s
-        self.interval_s = interval_s
-        self.full_interval_s = full_interval_s
+        self.clock = clock
         # (pipeline id, request id) -> live entry: a request re-paired on another pipeline has one each
         self.open: dict[tuple[str, str], Entry] = {}
         self.by_transfer: dict[str, Entry] = {}
@@ -100,14 +106,12 @@ class Ledger:
         self._since: dict[str, int] = {}                # pipeline id -> last freed seq seen
         self._finished: deque[str] = deque(maxlen=8192)  # transfer ids recently finished (no re-adoption)
         self._finished_set: set[str] = set()
-        self._last_full = 0.0
-        self.upstream = upstream
         self.began = 0
 
     # -- the request path (synchronous, cheap) ------------------------------------------------
 
     def begin(self, request_id: str, pipeline: Worker) -> Entry:
-        e = Entry(request_id, pipeline, State.PREFILLING, time.monotonic())
+        e = Entry(request_id, pipeline, State.PREFILLING, self.clock())
         self.open[(pipeline.id, request_id)] = e
         self.began += 1
         return e
@@ -116,15 +120,15 @@ class Ledger:
         old = self.by_transfer.get(transfer_id)
         if old is not None and old.adopted:  # a listing raced the prefill answer: ours, not adopted
             self._drop(old)
-        e.state, e.transfer_id, e.blocks, e.held_at = State.HELD, transfer_id, blocks, time.monotonic()
+        e.state, e.transfer_id, e.blocks, e.held_at = State.HELD, transfer_id, blocks, self.clock()
         self.by_transfer[transfer_id] = e
         self.fleet.kv_taken(e.pipeline.id, blocks)
 
     def orphan(self, request_id: str, pipeline: Worker, transfer_id: str, blocks: int) -> Entry:
         """A transfer of a pipeline without the holder API whose decode never pulled it: the mesh
         drains it (`drained` / `unreclaimable` end it); reconciliation never polls for it."""
-        e = Entry(f"{request_id}:drain:{transfer_id}", pipeline, State.HELD, time.monotonic(), transfer_id, blocks,
-                  held_at=time.monotonic(), drained=True)
+        e = Entry(f"{request_id}:drain:{transfer_id}", pipeline, State.HELD, self.clock(), transfer_id, blocks,
+                  held_at=self.clock(), drained=True)
         self.open[(pipeline.id, e.request_id)] = e
         self.began += 1
         return e
@@ -141,7 +145,7 @@ class Ledger:
     def prefill_failed(self, e: Entry, *, uncertain: bool) -> None:
         """A definite refusal ends as NO_KV; a cut-off prefill is looked for until the grace ends."""
         if uncertain:
-            e.look_until = time.monotonic() + self.grace_s
+            e.look_until = self.clock() + self.grace_s
         else:
             self.finish(e, State.NO_KV, "prefill-failed")
 
@@ -151,7 +155,7 @@ class Ledger:
 
     def decode_done(self, e: Entry) -> None:
         if e.state not in TERMINAL:
-            e.decode_done_at = time.monotonic()
+            e.decode_done_at = self.clock()
 
     def finish(self, e: Entry, state: State, reason: str, held_s: float | None = None) -> None:
         if e.state in TERMINAL:
@@ -167,7 +171,7 @@ class Ledger:
                 self.fleet.kv_returned(e.pipeline.id, e.blocks)
         (self.adopted_totals if e.adopted else self.totals)[state.value] += 1
         if held_s is None and e.held_at:
-            held_s = time.monotonic() - e.held_at
+            held_s = self.clock() - e.held_at
         self.metrics.kv_terminal(state.value, reason, held_s if state != State.NO_KV else None)
         self.recent.append({"request_id": e.request_id, "transfer_id": e.transfer_id, "pipeline": e.pipeline.id,
                             "state": state.value, "reason": reason, "adopted": e.adopted,
@@ -182,63 +186,48 @@ class Ledger:
 
     # -- reclaiming -----------------------------------------------------------------------
 
-    async def reclaim(self, e: Entry, reason: str) -> None:
-        """Free the transfer on its pipeline now; the answer tells which path freed it."""
+    def reclaim_start(self, e: Entry) -> bool:
+        """May the mesh post a release for `e` now (held, not settled, none in flight)?"""
         if e.state in TERMINAL or e.reclaiming or not e.transfer_id:
-            return
+            return False
         e.reclaiming = True
-        try:
-            released = await self.upstream.release(e.pipeline, e.transfer_id, reason)
-        finally:
-            e.reclaiming = False
+        return True
+
+    def reclaim_done(self, e: Entry, reason: str, released: bool | None) -> None:
+        """The holder's answer to the release: True freed it; False, another path had (the next
+        listing tells which); None, the pipeline could not be asked (reconciliation settles it
+        after the grace)."""
+        e.reclaiming = False
         if released is True:
             self.finish(e, State.RECLAIMED, reason)
             return
-        if released is False:  # already freed by another path: the next listing tells which
+        if released is False:
             self.metrics.duplicate_release()
-        # False, or None (the pipeline could not be asked): reconciliation settles it after the grace
-        e.decode_done_at = e.decode_done_at or time.monotonic()
+        e.decode_done_at = e.decode_done_at or self.clock()
 
-    # -- reconciliation -------------------------------------------------------------------
+    # -- reconciliation (the decisions; mesh/reconcile.py asks and answers) ---------------------
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.reconcile()
-            except Exception:  # noqa: BLE001 - one bad round must not end reconciliation
-                log.exception("ledger reconciliation failed")
+    def pipelines_to_ask(self) -> list[Worker]:
+        """The pipelines a quick round asks: those with a transfer waiting on the holder's word."""
+        seen: dict[str, Worker] = {}
+        for e in self.open.values():
+            if e.drained:
+                continue
+            if e.decode_done_at or e.look_until or e.state == State.DECODING:
+                seen.setdefault(e.pipeline.id, e.pipeline)
+        return list(seen.values())
 
-    async def reconcile(self, full: bool = False) -> None:
-        now = time.monotonic()
-        full = full or now - self._last_full >= self.full_interval_s
-        if full:
-            self._last_full = now
-            targets = [w for w in self.fleet.workers() if w.role == "prefill" and w.has(HOLDER_API)]
-        else:
-            seen: dict[str, Worker] = {}
-            for e in self.open.values():
-                if e.drained:
-                    continue
-                if e.decode_done_at or e.look_until or e.state == State.DECODING:
-                    seen.setdefault(e.pipeline.id, e.pipeline)
-            targets = list(seen.values())
-        if targets:
-            await asyncio.gather(*(self._reconcile_pipeline(w) for w in targets))
+    def since(self, w: Worker) -> int:
+        """The freed-records sequence number to ask `w`'s holder from."""
+        return self._since.get(w.id, 0)
 
-    async def _reconcile_pipeline(self, w: Worker) -> None:
-        raw = await self.upstream.get_held(w, self._since.get(w.id, 0))
-        try:
-            listing = HeldList.decode(orjson.loads(raw), "kv/held") if raw is not None else None
-        except (orjson.JSONDecodeError, ProtocolError) as e:
-            log.warning("pipeline %s: bad /kv/held answer: %s", w.id, e)
-            listing = None
-        if listing is None:
-            self._unreachable(w)
-            return
+    def apply(self, w: Worker, listing: HeldList) -> list[tuple[Entry, str]]:
+        """A holder's listing: settle what it says was freed, take over what a cut-off prefill
+        held, adopt what a former life of this mesh left, and return the transfers to reclaim now
+        (entry, reason)."""
         if listing.seq < self._since.get(w.id, 0):  # the holder restarted: its old transfers are gone
-            for e in [e for e in self.open.values() if e.pipeline.id == w.id and e.transfer_id]:
-                self.finish(e, State.RELEASED, "holder-restarted")
+            for gone in [x for x in self.open.values() if x.pipeline.id == w.id and x.transfer_id]:
+                self.finish(gone, State.RELEASED, "holder-restarted")
         self._since[w.id] = listing.seq
         for f in listing.freed:
             e = self.by_transfer.get(f.transfer_id)
@@ -249,9 +238,9 @@ class Ledger:
                     e.transfer_id = f.transfer_id
             if e is not None:
                 self.finish(e, _BY_PATH.get(f.path, State.RELEASED), f"holder:{f.path}", held_s=f.held_s)
-        now = time.monotonic()
-        held_ids = set()
-        pending = []
+        now = self.clock()
+        held_ids: set[str] = set()
+        pending: list[tuple[Entry, str]] = []
         for t in listing.transfers:
             held_ids.add(t.transfer_id)
             e = self.by_transfer.get(t.transfer_id)
@@ -261,7 +250,7 @@ class Ledger:
                     # a prefill we cut off did hold KV after all: take it over and free it
                     e.transfer_id, e.blocks, e.held_at = t.transfer_id, t.blocks, now - t.age_s
                     self.by_transfer[t.transfer_id] = e
-                    pending.append(self.reclaim(e, "client-disconnect"))
+                    pending.append((e, "client-disconnect"))
                     continue
                 e = None
             if e is None:
@@ -269,7 +258,7 @@ class Ledger:
                     self._adopt(w, t.transfer_id, t.blocks, t.request_id, t.age_s)
                 continue
             if e.decode_done_at and now - e.decode_done_at > self.grace_s:
-                pending.append(self.reclaim(e, "lost-release"))
+                pending.append((e, "lost-release"))
         for e in [e for e in self.open.values() if e.pipeline.id == w.id and not e.drained]:
             if e.look_until and not e.transfer_id and now > e.look_until:
                 self.finish(e, State.NO_KV, "prefill-cut-off")
@@ -277,13 +266,12 @@ class Ledger:
                     and now - max(e.decode_done_at, e.held_at) > self.grace_s:
                 # gone from the holder, and not in its freed records (the ring wrapped)
                 self.finish(e, State.RELEASED, "not-listed")
-        if pending:
-            await asyncio.gather(*pending)
+        return pending
 
-    def _unreachable(self, w: Worker) -> None:
+    def unreachable(self, w: Worker) -> None:
         """The holder cannot be asked. Past a few grace periods, close what waits on it: a cut-off
         prefill as NO_KV, a held transfer as EXPIRED (the holder's own TTL frees it if it lives)."""
-        now = time.monotonic()
+        now = self.clock()
         for e in [e for e in self.open.values() if e.pipeline.id == w.id and not e.drained]:
             if e.look_until and not e.transfer_id and now > e.look_until + self.grace_s:
                 self.finish(e, State.NO_KV, "holder-unreachable")
@@ -291,7 +279,7 @@ class Ledger:
                 self.finish(e, State.EXPIRED, "holder-unreachable")
 
     def _adopt(self, w: Worker, transfer_id: str, blocks: int, request_id: str, age_s: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         e = Entry(request_id or f"adopted:{transfer_id}", w, State.DECODING, now - age_s, transfer_id, blocks,
                   held_at=now - age_s, decode_done_at=now - self.grace_s, adopted=True)
         self.open[(w.id, e.request_id)] = e
@@ -301,7 +289,7 @@ class Ledger:
     # -- views ----------------------------------------------------------------------------
 
     def held_by_pipeline(self) -> dict[str, dict[str, float]]:
-        now = time.monotonic()
+        now = self.clock()
         out: dict[str, dict[str, float]] = {}
         for e in self.open.values():
             if e.transfer_id:
@@ -320,30 +308,3 @@ class Ledger:
     def gauge_rows(self) -> Iterable[tuple[str, int, int, float]]:
         for pid, d in self.held_by_pipeline().items():
             yield pid, int(d["transfers"]), int(d["blocks"]), d["oldest_age_s"]
-
-
-class Untracked:
-    """The ledger's calls for pipelines without the holder API: nothing to track on the request
-    path, since the mesh can neither list nor release what those engines hold (orphans of engines
-    that need a drain are booked with `Ledger.orphan`)."""
-
-    def begin(self, request_id: str, pipeline: Worker) -> None:
-        return None
-
-    def held(self, e: Any, transfer_id: str, blocks: int) -> None:
-        pass
-
-    def prefill_failed(self, e: Any, *, uncertain: bool) -> None:
-        pass
-
-    def decoding(self, e: Any) -> None:
-        pass
-
-    def decode_done(self, e: Any) -> None:
-        pass
-
-    async def reclaim(self, e: Any, reason: str) -> None:
-        pass
-
-
-UNTRACKED = Untracked()

@@ -117,7 +117,9 @@ async def run(cfg: BenchConfig, progress: bool = True) -> Results:
 
 
 def summary(cfg: BenchConfig, r: Results) -> dict[str, Any]:
-    ms = lambda xs, q: round(pct(xs, q) * 1e3, 2)  # noqa: E731
+    def ms(xs: list[float], q: float) -> float:
+        return round(pct(xs, q) * 1e3, 2)
+
     return {"config": asdict(cfg) | {"api_key": "***" if cfg.api_key else None}, "ok": r.ok, "errors": r.errors,
             "seconds": round(r.seconds, 3), "req_per_s": round(r.ok / r.seconds, 2) if r.seconds else 0.0,
             "tokens_per_s": round(r.tokens / r.seconds, 1) if r.seconds else 0.0,

@@ -7,7 +7,7 @@ by a collector, so the request path only touches the mesh's own counter dict.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,7 +72,7 @@ class _Unaccounted(Collector):
 
 class _BadRequests(Collector):
     def collect(self) -> Iterable[CounterMetricFamily]:
-        from mesh.badlog import BAD_REQUESTS
+        from contract.badlog import BAD_REQUESTS
 
         yield CounterMetricFamily("atomesh_bad_http_requests", "Requests aiohttp's parser refused (logged once "
                                   "per peer per minute, without their bytes)", value=BAD_REQUESTS.total)
@@ -115,44 +115,44 @@ class Metrics:
                                "a release API), by outcome", ["outcome"], registry=r)
         self._unreclaimable = Counter("atomesh_kv_unreclaimable", "Orphaned transfers the mesh could not free",
                                       ["pipeline"], registry=r)
-        self._cache: dict[tuple[str, ...], object] = {}
+        self._cache: dict[tuple[object, ...], Any] = {}
 
-    def _child(self, metric: object, *labels: str) -> object:
-        key = (id(metric), *labels)  # type: ignore[arg-type]
-        c = self._cache.get(key)  # type: ignore[arg-type]
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        c = self._cache.get(key)
         if c is None:
-            c = self._cache[key] = metric.labels(*labels)  # type: ignore[attr-defined]
+            c = self._cache[key] = metric.labels(*labels)
         return c
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
-        self._child(self._requests, route, str(status)).inc()  # type: ignore[attr-defined]
-        self._child(self._latency, route).observe(seconds)  # type: ignore[attr-defined]
+        self._child(self._requests, route, str(status)).inc()
+        self._child(self._latency, route).observe(seconds)
 
     def ttft(self, route: str, seconds: float) -> None:
-        self._child(self._ttft, route).observe(seconds)  # type: ignore[attr-defined]
+        self._child(self._ttft, route).observe(seconds)
 
     def leg(self, leg: str, seconds: float) -> None:
-        self._child(self._leg, leg).observe(seconds)  # type: ignore[attr-defined]
+        self._child(self._leg, leg).observe(seconds)
 
     def upstream_error(self, leg: str, kind: str) -> None:
-        self._child(self._upstream_errors, leg, kind).inc()  # type: ignore[attr-defined]
+        self._child(self._upstream_errors, leg, kind).inc()
 
     def retry(self, leg: str) -> None:
-        self._child(self._retries, leg).inc()  # type: ignore[attr-defined]
+        self._child(self._retries, leg).inc()
 
     def release_sent(self, reason: str, outcome: str) -> None:
-        self._child(self._releases, reason, outcome).inc()  # type: ignore[attr-defined]
+        self._child(self._releases, reason, outcome).inc()
 
     def kv_terminal(self, state: str, reason: str, held_s: float | None) -> None:
-        self._child(self._terminal, state, reason).inc()  # type: ignore[attr-defined]
+        self._child(self._terminal, state, reason).inc()
         if held_s is not None:
             self._release_latency.observe(held_s)
 
     def drain(self, outcome: str) -> None:
-        self._child(self._drains, outcome).inc()  # type: ignore[attr-defined]
+        self._child(self._drains, outcome).inc()
 
     def unreclaimable(self, pipeline: str) -> None:
-        self._child(self._unreclaimable, pipeline).inc()  # type: ignore[attr-defined]
+        self._child(self._unreclaimable, pipeline).inc()
 
     def duplicate_release(self) -> None:
         self._dup_releases.inc()

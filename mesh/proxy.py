@@ -18,6 +18,10 @@ Failure semantics:
 - decode fails mid-stream: the stream ends with an SSE `error` event.
 - client disconnect: the running leg is cut; what the prefill holds is released (holder API) or
   drained; an ATOM prefill still running is let finish in the background, then drained.
+
+Size: the request path written once (pair, prefill, hand-off, decode, relay, settle, re-pair,
+drain, fan-out); it reads top to bottom as the lifecycle in docs/architecture.md, and each
+step's mechanics live elsewhere (flows, upstream, ledger, fanout).
 """
 
 from __future__ import annotations
@@ -33,18 +37,27 @@ from typing import Any, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from contract.errors import (
+    KVSourceLost,
+    MeshError,
+    ModelNotFound,
+    NoWorker,
+    ProtocolError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from contract.protocol import KV_PULL_HEADER
+from contract.snapshot import View, Worker
+from contract.sse import Answer
 from mesh.config import MeshConfig
-from mesh.errors import (KVSourceLost, MeshError, ModelNotFound, NoWorker, ProtocolError, UpstreamError,
-                         UpstreamTimeout)
 from mesh.fanout import Merge, Part, needs_split, split
 from mesh.fleet import Fleet
 from mesh.flows import FLOWS, Bootstrap, Flow, Handoff
-from mesh.ledger import UNTRACKED, Ledger
+from mesh.ledger import Ledger
 from mesh.metrics import Metrics
+from mesh.reconcile import Reconciler
 from mesh.request import ClientRequest
-from mesh.sse import Answer
-from mesh.snapshot import View, Worker
-from mesh.tracing import KV_PULL_HEADER, Tracing
+from mesh.tracing import Tracing
 from mesh.upstream import Leg, Upstream
 from policies import Policy
 
@@ -127,7 +140,7 @@ def error_event(err: MeshError) -> bytes:
 
 class Proxy:
     def __init__(self, cfg: MeshConfig, fleet: Fleet, upstream: Upstream, metrics: Metrics,
-                 policies: dict[str, Policy], background: Background, mesh_id: str, ledger: Ledger,
+                 policies: dict[str, Policy], background: Background, mesh_id: str, ledger: Ledger, reconciler: Reconciler,
                  tracing: Tracing | None = None) -> None:
         self.cfg = cfg
         self.fleet = fleet
@@ -137,6 +150,7 @@ class Proxy:
         self.bg = background
         self.mesh_id = mesh_id
         self.ledger = ledger
+        self.reclaim = reconciler.reclaim
         self.load = MappingProxyType(fleet.in_flight)
         self.kv_free = MappingProxyType(fleet.kv_free)
         self.tracing = tracing
@@ -170,11 +184,11 @@ class Proxy:
 
     def _end(self, span: Any, error: BaseException | None = None) -> None:
         if span is not None:
-            self.tracing.end(span, error)  # type: ignore[union-attr]
+            self.tracing.end(span, error)  # type: ignore[union-attr]  # a span exists only when tracing is on
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with full jitter, capped at 1 s."""
-        return min(1.0, self.cfg.retry_backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+        return min(1.0, self.cfg.retry_backoff * 2.0 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
     # -- selection ------------------------------------------------------------------------
 
@@ -243,14 +257,14 @@ class Proxy:
         """The prefill leg, then the decode leg with the flow's hand-off."""
         tracked = flow.tracked(pw)
         drains = flow.drains and not tracked
-        ledger = self.ledger if tracked else UNTRACKED
+        ledger = self.ledger
         ctx = None
         if flow.rendezvous:
             try:
                 ctx = await self.up.bootstrap(pw)
             except MeshError as err:
                 raise RePair(err, pipeline=pw) from None
-        e = ledger.begin(creq.request_id, pw)
+        e = ledger.begin(creq.request_id, pw) if tracked else None   # only what the mesh can settle
         headers = self._headers(request, creq)
         span, ph = self._span("prefill", creq, pw, headers)
         pbody = flow.prefill_body(creq, pw, dw, self.mesh_id)
@@ -262,13 +276,15 @@ class Proxy:
             self._end(span)
         except MeshError as err:
             self._end(span, err)
-            ledger.prefill_failed(e, uncertain=err.may_hold_kv)
+            if e is not None:
+                ledger.prefill_failed(e, uncertain=err.may_hold_kv)
             if not err.may_hold_kv and err.status >= 500:
                 raise RePair(err, pipeline=pw) from None
             raise
         except BaseException as err:  # cancelled by a client that left
             self._end(span, err)
-            ledger.prefill_failed(e, uncertain=True)
+            if e is not None:
+                ledger.prefill_failed(e, uncertain=True)
             if job is not None:
                 self.bg.spawn(self._drain_after(job, flow, creq, pw, dw, pbody, ctx))
             raise
@@ -279,15 +295,16 @@ class Proxy:
         except ProtocolError as err:
             raw = pres.get("kv_transfer_params")
             tid = raw.get("transfer_id") if isinstance(raw, dict) else None
-            if tracked and isinstance(tid, (str, int)):
+            if e is not None and isinstance(tid, (str, int)):
                 ledger.held(e, str(tid), 0)
-                await ledger.reclaim(e, "bad-handoff")
-            else:
+                await self.reclaim(e, "bad-handoff")
+            elif e is not None:
                 ledger.prefill_failed(e, uncertain=True)
             self.up.failed("prefill", pw, "garbage")
             raise UpstreamError(f"prefill pipeline {pw.id} answered without valid kv_transfer_params: "
                                 f"{err.message}") from None
-        ledger.held(e, h.key, h.blocks)
+        if e is not None:
+            ledger.held(e, h.key, h.blocks)
         data = orjson.dumps(h.decode_body)
         span, dh = self._span("decode", creq, dw, headers)
         if span is not None and h.key:
@@ -302,12 +319,13 @@ class Proxy:
             self.fleet.succeeded(pw.id)  # the decode has its KV: the pipeline served well
             self._pulls.ok(leg.w.id)
             if span is not None:
+                # (type: ignore below) a span exists only when tracing is on
                 self.tracing.kv_pull(creq.request_id, leg.w, t_open,  # type: ignore[union-attr]
                                      leg.resp.headers.get(KV_PULL_HEADER) if leg.resp else None)
         except (asyncio.CancelledError, ConnectionResetError) as err:  # the client left before decode had the KV
             self._end(span, err)
-            if tracked:
-                self.bg.spawn(ledger.reclaim(e, "client-disconnect"))
+            if e is not None:
+                self.bg.spawn(self.reclaim(e, "client-disconnect"))
             elif drains and flow.drain_on(err):
                 self.bg.spawn(self._drain(flow, creq, pw, h, None))
             raise
@@ -315,8 +333,8 @@ class Proxy:
             self._end(span, err)
             if flow.rendezvous:  # a stale engine id fails the pull: read it again next time
                 self.up.forget_bootstrap(pw)
-            if tracked:  # freed before the client hears of the failure
-                await ledger.reclaim(e, "decode-failed")
+            if e is not None:  # freed before the client hears of the failure
+                await self.reclaim(e, "decode-failed")
             elif drains and flow.drain_on(err):
                 self.bg.spawn(self._drain(flow, creq, pw, h, dw))
             if isinstance(err, KVSourceLost):  # the pipeline is at fault, unless the decode fails them all
@@ -337,10 +355,12 @@ class Proxy:
                 await early.write_eof()
                 return early
             raise
-        ledger.decoding(e)
+        if e is not None:
+            ledger.decoding(e)
 
         def settle() -> None:
-            ledger.decode_done(e)
+            if e is not None:
+                ledger.decode_done(e)
             self._end(span)
         return Decoded(leg, first, t1, early, settle)
 
@@ -363,7 +383,7 @@ class Proxy:
                 await asyncio.gather(dec, return_exceptions=True)
                 if isinstance(perr, MeshError) and perr.status >= 500:
                     raise RePair(perr, pipeline=pw) from None
-                raise perr  # type: ignore[misc]
+                raise perr  # type: ignore[misc]  # perr is the prefill task's exception, set on this path
             try:
                 leg, first = await dec
             except (UpstreamError, UpstreamTimeout) as err:
@@ -450,7 +470,7 @@ class Proxy:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
         await out.prepare(request)
         ans = Answer(creq.kind, creq.model, creq.request_id, h.params.get("response_meta"))
-        ids = [h.first_token_id] if creq.body.get("return_token_ids") else None
+        ids = [h.first_token_id] if creq.body.get("return_token_ids") and h.first_token_id is not None else None
         await out.write(ans.first_chunk() + ans.chunk(text, None, ids, logprobs=lps if isinstance(lps, dict) else None))
         self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
         return out
@@ -502,6 +522,7 @@ class Proxy:
                     while (i := buf.find(SSE_END)) >= 0:
                         await q.put((p, buf[:i + 2]))
                         buf = buf[i + 2:]
+                    # (type: ignore below) a decode leg that answered has its response
                     chunk = await d.leg.resp.readany()  # type: ignore[union-attr]
                     if not chunk:
                         break

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-from mesh.errors import InvalidRequest, PayloadTooLarge
+from contract.errors import InvalidRequest, PayloadTooLarge
 
 Kind = Literal["completions", "chat"]
 # request ids: a random per-process prefix and a counter (unique across replicas, no syscall)

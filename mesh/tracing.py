@@ -19,18 +19,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from aiohttp import web
-
-KV_PULL_HEADER = "x-atomesh-kv-pull-ms"
-KV_PULL_MS = web.RequestKey("atomesh_kv_pull_ms", float)  # set by a decode handler after its pull
-
-
-async def kv_pull_header(request: web.Request, response: web.StreamResponse) -> None:
-    """Workers' `on_response_prepare`: a decode that pulled KV says how long it took."""
-    ms = request.get(KV_PULL_MS)
-    if ms is not None:
-        response.headers[KV_PULL_HEADER] = f"{ms:.3f}"
-
 
 class Tracing:
     def __init__(self, provider: Any) -> None:

@@ -16,14 +16,21 @@ from typing import Any
 import aiohttp
 import orjson
 
+from contract.errors import (
+    KVSourceLost,
+    MeshError,
+    ProtocolError,
+    UpstreamClientError,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+)
+from contract.snapshot import Worker
 from mesh.config import Timeouts
-from mesh.errors import (KVSourceLost, MeshError, ProtocolError, UpstreamClientError, UpstreamError, UpstreamTimeout,
-                         error_body)
 from mesh.fleet import Fleet
 from mesh.flows import Bootstrap, bootstrap_addr, parse_bootstrap
 from mesh.h1 import H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
-from mesh.snapshot import Worker
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 BOOTSTRAP_TTL = 5.0  # seconds a prefill's engine ids are trusted before being read again

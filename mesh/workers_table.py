@@ -9,9 +9,10 @@ import aiohttp
 import httpx
 import orjson
 
-from mesh.etcd import EtcdConfig, open_client
+from contract.dialects import ATOM
+from contract.etcd import EtcdConfig, open_client
+from contract.protocol import DecodeRecord, PrefillRecord
 from mesh.etcd_registry import build_workers
-from mesh.protocol import DecodeRecord, PrefillRecord
 
 COLUMNS = ("role", "id", "model", "url", "dialect", "parallel", "stages", "layers", "health", "draining", "in_flight",
            "held")
@@ -72,7 +73,7 @@ def from_mesh(url: str, token: str | None) -> list[dict[str, Any]]:
         rec = w["record"]
         pp = rec.get("pp_size")
         rows.append({"role": w["role"], "id": w["id"], "model": w["model"], "url": w["url"],
-                     "dialect": rec.get("dialect", "atom"),
+                     "dialect": rec.get("dialect", ATOM),
                      "parallel": f"pp={pp}" if w["role"] == "prefill" else f"tp={rec.get('tp_size', 1)}",
                      "stages": "-", "health": "healthy" if w["healthy"] else "UNHEALTHY",
                      "layers": " ".join(f"{s['layers'][0]}-{s['layers'][1]}" for s in rec.get("stages", [])) or "-",

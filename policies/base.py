@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Iterable, Protocol, runtime_checkable
 
-from mesh.snapshot import View, Worker
+from contract.snapshot import View, Worker
 
 
 class RoutingRequest(Protocol):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from mesh.snapshot import View, Worker
+from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
 

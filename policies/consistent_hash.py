@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 
-from mesh.snapshot import View, Worker
+from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
 

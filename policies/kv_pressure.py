@@ -9,8 +9,8 @@ or 400 if the prompt is larger than every candidate's whole pool.
 
 from __future__ import annotations
 
-from mesh.errors import InsufficientKV, InvalidRequest
-from mesh.snapshot import View, Worker
+from contract.errors import InsufficientKV, InvalidRequest
+from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random as _random
 
-from mesh.snapshot import View, Worker
+from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
 

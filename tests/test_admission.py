@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from contract.errors import Overloaded
 from mesh.admission import AdmissionConfig, Gate
-from mesh.errors import Overloaded
 from workers.mock import FleetSpec, MockTiming
 
 BODY = {"model": "mock-model", "prompt": "admit me", "max_tokens": 5}
@@ -106,7 +106,7 @@ async def test_a_flood_of_malformed_requests_is_logged_once_per_peer_without_its
     an Authorization among them). Now: one warning per peer per minute, no bytes, all counted."""
     import logging
 
-    from mesh.badlog import BAD_REQUESTS
+    from contract.badlog import BAD_REQUESTS
 
     pd = await make_pd(FleetSpec(prefill=1, decode=1))
     port = int(pd.url.rsplit(":", 1)[1])
@@ -135,7 +135,7 @@ async def test_slow_heads_and_slow_bodies_are_cut_off(make_pd):
     import dataclasses
     import time
 
-    from mesh.app import STATE, bound_port, create_app, start_site
+    from mesh.app import bound_port, create_app, start_site
     from mesh.request import Limits
 
     pd = await make_pd(FleetSpec(prefill=1, decode=1))

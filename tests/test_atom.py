@@ -286,8 +286,8 @@ async def test_mock_fleet_in_the_atom_dialect_passes_the_same_checks(make_pd, ht
 async def test_capabilities_learnt_from_load_or_none(make_pd, http):
     """docs/protocol.md section 8: a static `--prefill URL` worker of this project is known by its /load
     answer; an ATOM engine has no /load report, declares nothing and is probed at /health."""
+    from contract.protocol import OWN_CAPABILITIES
     from mesh.config import make_worker
-    from mesh.protocol import OWN_CAPABILITIES
     from workers.mock import FleetSpec
 
     atom = await AtomServer("decode", model="mock-model").start()

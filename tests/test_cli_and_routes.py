@@ -7,8 +7,8 @@ import subprocess
 import httpx
 import pytest
 
+from contract.errors import ConfigError
 from mesh.config import MeshConfig, make_worker
-from mesh.errors import ConfigError
 from tests.conftest import MESH_BIN, Proc
 from workers.mock import FleetSpec
 
@@ -151,7 +151,8 @@ def test_mesh_bench_against_the_mesh(proc_pd, tmp_path):
 def test_a_mesh_off_loopback_without_an_admin_token_is_told_and_ids_are_not_addresses():
     """issue 16: `mesh serve` warns when it listens beyond loopback with its admin routes open; a
     worker's default id (shown in /metrics, logs, registry keys) is stable but not its address."""
-    from mesh.clikit import loopback as _loopback, opaque_worker_id as _opaque
+    from contract.clikit import loopback as _loopback
+    from contract.clikit import opaque_worker_id as _opaque
     from workers.launch import opaque_id
 
     assert all(_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"))

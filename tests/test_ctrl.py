@@ -9,10 +9,10 @@ import pickle
 import pytest
 import torch
 
-from mesh.errors import ConfigError, ProtocolError
+from contract.errors import ConfigError, ProtocolError
 from workers.engine import ctrl
-from workers.engine.dist import RankSpec
 from workers.engine.config import EngineConfig, Parallel
+from workers.engine.dist import RankSpec
 from workers.engine.model import ForwardBatch, SeqSlice
 
 
@@ -51,8 +51,9 @@ def test_tensor_headers_are_checked():
     with pytest.raises(ProtocolError):
         ctrl.unpack(good[:-4])   # bytes short of the shape
     for head in (["float32", [-1]], ["object", [1]], ["float32", [1] * 9], ["float32", "3"]):
-        import msgpack
         import struct
+
+        import msgpack
         h = msgpack.packb(head)
         ext = msgpack.ExtType(ctrl.TENSOR_EXT, struct.pack("<I", len(h)) + h + b"\0" * 4)
         with pytest.raises(ProtocolError):

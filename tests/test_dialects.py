@@ -12,11 +12,11 @@ import orjson
 import pytest
 from aiohttp import web
 
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig
+from contract.snapshot import RoutingTable
 from mesh.app import STATE, bound_port, create_app, start_site
 from mesh.config import MeshConfig, Timeouts, make_worker
-from mesh.errors import ConfigError
-from mesh.etcd import EtcdConfig
-from mesh.snapshot import RoutingTable
 from tests.conftest import MESH_BIN
 from workers.mock import FleetSpec, MockFaults, MockFleet, first_token, token_ids, token_text
 from workers.register import Enrollment, engine_busy
@@ -277,7 +277,7 @@ async def test_vllm_prefill_without_kv_transfer_params_names_the_field(make_pd, 
 def test_vllm_mooncake_legs_and_bootstrap_answers():
     """The `vllm-mooncake` bodies as vllm 0.32 `mooncake_connector.py` reads them (the real pair is
     tests/test_vllm_mooncake.py); `GET /query` answers validated before they name an engine."""
-    from mesh.errors import ProtocolError, UpstreamClientError, UpstreamError, UpstreamTimeout
+    from contract.errors import ProtocolError, UpstreamClientError, UpstreamError, UpstreamTimeout
     from mesh.flows import FLOWS, parse_bootstrap
     from mesh.request import Limits, parse
 

@@ -239,12 +239,10 @@ def test_one_device_per_rank(ckpt, reference):
 
 
 def test_device_flag_lists_one_device_or_one_per_rank():
-    from types import SimpleNamespace
-
-    from mesh.errors import ConfigError
+    from contract.errors import ConfigError
     from workers.launch import devices
 
-    assert devices(SimpleNamespace(device="cuda"), 3) == ["cuda"] * 3
-    assert devices(SimpleNamespace(device="cuda:0,cuda:1"), 2) == ["cuda:0", "cuda:1"]
+    assert devices("cuda", 3) == ("cuda",) * 3
+    assert devices("cuda:0,cuda:1", 2) == ("cuda:0", "cuda:1")
     with pytest.raises(ConfigError, match="one per stage/rank"):
-        devices(SimpleNamespace(device="cuda:0,cuda:1"), 4)
+        devices("cuda:0,cuda:1", 4)

@@ -17,7 +17,7 @@ import aetcd
 import httpx
 import pytest
 
-from mesh.etcd import EtcdConfig, open_client
+from contract.etcd import EtcdConfig, open_client
 from tests.conftest import MESH_BIN, Proc
 from tests.etcd_server import EtcdServer
 

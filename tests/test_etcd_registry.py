@@ -12,10 +12,10 @@ import httpx
 import orjson
 import pytest
 
+from contract.enroll import KeyTaken, LeaseKeeper
+from contract.etcd import EtcdConfig, open_client
 from mesh.app import STATE, bound_port, create_app, start_site
 from mesh.config import MeshConfig, Timeouts
-from mesh.enroll import KeyTaken, LeaseKeeper
-from mesh.etcd import EtcdConfig, open_client
 from tests.conftest import MESH_BIN, Proc
 
 TTL = 3

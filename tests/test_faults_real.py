@@ -187,7 +187,7 @@ async def test_a_leak_raises_the_alarm_within_the_grace_and_clears_when_accounte
     (allocated, owned by no sequence and no transfer: what a lost sequence leaves); the mesh's census
     check raises the leak alarm within `kv_leak_after`, routes around the worker, and lowers it once
     the blocks are back."""
-    from mesh.errors import KVTransferError  # noqa: F401 - the adapter's imports, as launch does
+    from contract.errors import KVTransferError  # noqa: F401 - the adapter's imports, as launch does
     from workers.engine.config import EngineConfig
     from workers.engine.pp import PPEngine
     from workers.prefill import PrefillServer

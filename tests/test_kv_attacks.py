@@ -12,8 +12,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from mesh.errors import KVTransferError
-from mesh.protocol import ConsumerRank, WriteRequest
+from contract.errors import KVTransferError
+from contract.protocol import ConsumerRank, WriteRequest
 from tests.test_sidechannel import params, pipeline, ranks
 from workers.engine.kv_cache import KVPool
 from workers.kv.holder import BlockPool, TransferHolder

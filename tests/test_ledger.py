@@ -176,23 +176,3 @@ async def test_randomized_faults_leave_nothing_held(http):
         await runner.cleanup()
         for f in fleets:
             await f.close()
-
-
-def test_finished_ring_stays_bounded_and_in_step():
-    from mesh.config import Timeouts, make_worker
-    from mesh.fleet import Fleet, StaticRegistry
-    from mesh.ledger import Ledger, State
-    from mesh.metrics import Metrics
-    from mesh.upstream import Upstream
-
-    fleet = Fleet(StaticRegistry(()))
-    metrics = Metrics(lambda: ())
-    led = Ledger("m", fleet, metrics, Upstream(fleet, metrics, Timeouts()))
-    w = make_worker("prefill", {"url": "http://h:1", "model": "m"}, 0)
-    for i in range(10000):
-        e = led.begin(f"r{i}", w)
-        led.held(e, f"t{i}", 1)
-        led.finish(e, State.RELEASED, "test")
-    assert len(led._finished_set) == len(led._finished) == led._finished.maxlen
-    assert led._finished_set == set(led._finished)
-    assert led.totals == {"RELEASED": 10000} and not led.open and not led.by_transfer

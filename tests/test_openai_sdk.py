@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from workers.mock import token_ids, token_text, first_token
+from workers.mock import first_token, token_ids, token_text
 from workers.openai_io import render_chat
 
 MODEL = "mock-model"

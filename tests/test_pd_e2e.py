@@ -275,7 +275,7 @@ async def test_real_stage_enrolls_itself_and_its_death_takes_the_pipeline_out(ck
 
     import psutil
 
-    from mesh.etcd import EtcdConfig, open_client
+    from contract.etcd import EtcdConfig, open_client
     from tests.test_etcd_registry import wait_for
 
     cluster = "c-stage-death"
@@ -339,7 +339,7 @@ def test_pipeline_with_each_stage_in_its_own_process(ckpt, etcd_server, expected
     own liveness; a lost stage takes the head down (exit 3) and the other stage with it."""
     import orjson as _orjson
 
-    from mesh.etcd import EtcdConfig, open_client
+    from contract.etcd import EtcdConfig, open_client
 
     cluster = "c-remote-stages"
     port = free_port_run(3)

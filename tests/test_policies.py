@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 import policies
+from contract.snapshot import View
 from mesh.config import make_worker
 from mesh.request import ClientRequest
-from mesh.snapshot import View
 from tests.conftest import MESH_BIN, Proc
 
 
@@ -175,7 +175,7 @@ def pipelines(n: int, num_blocks: int = 100, block_size: int = 16):
 
 
 def test_kv_pressure_prefers_most_free_and_refuses_what_cannot_fit():
-    from mesh.errors import InsufficientKV, InvalidRequest
+    from contract.errors import InsufficientKV, InvalidRequest
 
     ws = pipelines(3)
     p = policies.create("kv_pressure")

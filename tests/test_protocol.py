@@ -1,12 +1,24 @@
-"""mesh.protocol: typed messages, one codec each, unknown fields preserved."""
+"""contract.protocol: typed messages, one codec each, unknown fields preserved."""
 
 from __future__ import annotations
 
 import pytest
 
-from mesh.errors import ProtocolError
-from mesh.protocol import (DecodeRecord, HeldList, KVHandoffParams, KVRequestParams, LoadReport, PrefillRecord,
-                           Release, WriteDone, WriteRequest, decode_frame, encode_frame, handoff_for_decode)
+from contract.errors import ProtocolError
+from contract.protocol import (
+    DecodeRecord,
+    HeldList,
+    KVHandoffParams,
+    KVRequestParams,
+    LoadReport,
+    PrefillRecord,
+    Release,
+    WriteDone,
+    WriteRequest,
+    decode_frame,
+    encode_frame,
+    handoff_for_decode,
+)
 
 HANDOFF = {"remote_engine_id": "p0", "remote_host": "h", "remote_port": 5, "remote_block_ids": [1, 2],
            "transfer_id": "t", "first_token_id": 9, "remote_handshake_port": 5, "remote_pp_size": 2,

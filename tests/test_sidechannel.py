@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from mesh.errors import KVTransferError
-from mesh.protocol import ConsumerRank, KVHandoffParams, StageAddr, WriteRequest
+from contract.errors import KVTransferError
+from contract.protocol import ConsumerRank, KVHandoffParams, StageAddr, WriteRequest
 from workers.kv.holder import BlockPool, TransferHolder
 from workers.kv.sidechannel import ChannelFaults, ConsumerChannel, StageChannel
 

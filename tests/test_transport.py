@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from mesh.errors import KVTransferError
+from contract.errors import KVTransferError
 from workers.kv.transport import Layout, copy_plan, create
 
 NB, KVH, BS, HD = 8, 4, 4, 8

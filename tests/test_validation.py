@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mesh.errors import InvalidRequest, PayloadTooLarge
+from contract.errors import InvalidRequest, PayloadTooLarge
 from mesh.request import Limits, parse
 
 OK = {"model": "mock-model", "prompt": "hi"}

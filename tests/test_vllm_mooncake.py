@@ -16,8 +16,20 @@ import aiohttp
 import pytest
 
 from tests.conftest import MESH_BIN, Proc
-from tests.test_vllm_real import (CASES, KEY, KEY_ENV, MODEL, assert_same, call, client, close_clients,
-                                  engine_pair, metric, upstream_key, wait_metric)
+from tests.test_vllm_real import (
+    CASES,
+    KEY,
+    KEY_ENV,
+    MODEL,
+    assert_same,
+    call,
+    client,
+    close_clients,
+    engine_pair,
+    metric,
+    upstream_key,
+    wait_metric,
+)
 
 pytestmark = pytest.mark.timeout(600)
 __all__ = ["close_clients", "upstream_key"]   # the autouse fixtures, shared with the NIXL module

@@ -319,7 +319,7 @@ async def test_clients_that_leave_free_everything(vllm_pair, mesh):
 
 
 async def test_mesh_serve_and_register_with_etcd_drain_waits_for_the_running_request(vllm_pair, etcd, tmp_path):
-    from mesh.etcd import EtcdConfig, open_client
+    from contract.etcd import EtcdConfig, open_client
 
     procs: list[Proc] = []
     env = {KEY_ENV: KEY}

@@ -17,9 +17,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from mesh.errors import ProtocolError
+from contract.errors import ProtocolError
+from contract.protocol import ConsumerRank, DecodeRecord, KVRequestParams, Release, WriteRequest, encode_frame
 from mesh.etcd_registry import check_record
-from mesh.protocol import ConsumerRank, DecodeRecord, KVRequestParams, Release, WriteRequest, encode_frame
 from workers.kv.sidechannel import release_mac, write_mac
 from workers.mock import FleetSpec
 

@@ -11,16 +11,16 @@ import os
 import sys
 from typing import Any
 
-from mesh.clikit import (
+from contract.clikit import (
     Subcommands,
     add_etcd_options,
     etcd_config,
     opaque_worker_id,
     run_until_stopped,
 )
-from mesh.dialects import DIALECTS, SGLANG, VLLM_MOONCAKE
-from mesh.errors import ConfigError
-from mesh.protocol import CAPABILITIES, KV_BACKENDS
+from contract.dialects import ATOM, DIALECTS, SGLANG, VLLM, VLLM_MOONCAKE
+from contract.errors import ConfigError
+from contract.protocol import CAPABILITIES, KV_BACKENDS, PrefillRecord
 
 # -- mock-fleet -----------------------------------------------------------------------------
 
@@ -31,7 +31,7 @@ def _fleet_spec(a: argparse.Namespace) -> Any:
                      pp_size=a.pp_size, tp_size=a.tp_size, num_blocks=a.num_blocks, ttl_s=a.kv_ttl,
                      timing=MockTiming(prefill_ms_per_token=a.prefill_ms_per_token,
                                        decode_ms_per_token=a.decode_ms_per_token, jitter=a.jitter),
-                     seed=a.seed, dialect=getattr(a, "dialect", "atom"),
+                     seed=a.seed, dialect=getattr(a, "dialect", ATOM),
                      worker_token=os.environ.get("ATOMESH_WORKER_TOKEN") or None)
 
 
@@ -70,7 +70,7 @@ def cmd_mock_fleet(a: argparse.Namespace) -> None:
 # -- register -------------------------------------------------------------------------------
 
 def cmd_register(a: argparse.Namespace) -> None:
-    from mesh.config import make_worker
+    from contract.snapshot import make_worker
     from workers.register import EnrollConfig, Enrollment, parse_stage
 
     stages = tuple(parse_stage(s) for s in a.stage or [])
@@ -95,11 +95,11 @@ def cmd_register(a: argparse.Namespace) -> None:
         if a.role == "prefill":
             spec.update(pp_size=a.pp_size, stages=[s.encode() for s in stages])
             if not stages and a.pp_size == 1:  # a one-stage pipeline without --stage: stage 0 here
-                from mesh.protocol import StageRecord
+                from contract.protocol import StageRecord
                 stages = (StageRecord(pp_rank=0, host=a.url.split("://")[-1].rsplit(":", 1)[0], kv_port=0,
                                       layers=(0, 1)),)
         record = make_worker(a.role, spec, 0, here=False).record
-        if a.role == "prefill" and len({s.pp_rank for s in record.stages}) not in (0, a.pp_size):
+        if isinstance(record, PrefillRecord) and len({s.pp_rank for s in record.stages}) not in (0, a.pp_size):
             raise ConfigError(f"give all {a.pp_size} --stage entries of the pipeline, or none")
         if a.role == "decode":
             stages = ()
@@ -124,17 +124,17 @@ def cmd_register(a: argparse.Namespace) -> None:
 
 def cmd_worker(a: argparse.Namespace) -> None:
     from workers.engine.dist import RankDied
-    from workers.launch import EXIT, serve_worker
+    from workers.launch import serve_worker, worker_config
 
+    cfg = worker_config(a.cmd, a, etcd_config(a) if a.etcd else None)   # checked before any process starts
     quiet_native_logs(a)
-    etcd = etcd_config(a) if a.etcd else None
     try:
-        run_until_stopped(lambda stop: serve_worker(a.cmd, a, stop, etcd))
+        code = run_until_stopped(lambda stop: serve_worker(cfg, stop))
     except RankDied as e:  # a rank or stage that never came, failed the handshake, or a stop meanwhile
         print(f"{a.cmd}: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
-    if EXIT["code"]:
-        sys.exit(EXIT["code"])
+    if code:
+        sys.exit(code)
 
 
 def quiet_native_logs(a: argparse.Namespace) -> None:
@@ -202,7 +202,7 @@ def add_commands(sub: Subcommands) -> None:
     f.add_argument("--base-port", type=int, default=0, help="first HTTP port (0: free ports)")
     f.add_argument("--model", default="mock-model", help="served model name")
     f.add_argument("--pp-size", type=int, default=1, help="stages per prefill pipeline")
-    f.add_argument("--dialect", default="atom", choices=["atom", "vllm", "sglang"],
+    f.add_argument("--dialect", default=ATOM.value, choices=[ATOM.value, VLLM.value, SGLANG.value],
                    help="the PD protocol the mock workers speak")
     f.add_argument("--tp-size", type=int, default=1, help="ranks per decode engine")
     f.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per pool")
@@ -241,7 +241,7 @@ def add_commands(sub: Subcommands) -> None:
     r.add_argument("--num-blocks", type=int, default=0, help="KV blocks in the pool (0: unknown)")
     r.add_argument("--kv-backend", default="zmq", choices=list(KV_BACKENDS),
                    help="how the engine moves KV (recorded for operators; the dialect says how the mesh drives it)")
-    r.add_argument("--dialect", default="atom", choices=list(DIALECTS),
+    r.add_argument("--dialect", default=ATOM.value, choices=list(DIALECTS),
                    help="how the mesh drives this worker's PD legs (docs/engines.md)")
     r.add_argument("--bootstrap-port", type=int, help="--dialect sglang or vllm-mooncake, prefill: the engine's "
                    "bootstrap port (SGLang's --disaggregation-bootstrap-port, vLLM's "

@@ -15,14 +15,15 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from mesh.errors import InvalidRequest, KVTransferError, ProtocolError
-from mesh.protocol import ConsumerRank, KVHandoffParams
-from mesh.tracing import KV_PULL_MS
-from workers.engine.tp import TPEngine
+from contract.errors import InvalidRequest, KVTransferError, ProtocolError
+from contract.protocol import ConsumerRank, KVHandoffParams
+from workers.choices import Choice
+from workers.engine.engine import Engine
+from workers.faults import cut_connection
 from workers.kv.sidechannel import ChannelFaults, ConsumerChannel
 from workers.kv.stage import ConsumerKV, EngineConsumerKV
 from workers.openai_io import GenRequest
-from workers.server import Choice, EngineServer, cut_connection, error_response
+from workers.server import KV_PULL_MS, EngineServer, error_response
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +31,13 @@ log = logging.getLogger(__name__)
 class DecodeServer(EngineServer):
     role = "decode"
 
-    def __init__(self, engine: TPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
+    def __init__(self, engine: Engine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
                  host: str = "127.0.0.1", pull_deadline_s: float = 30.0, kv: ConsumerKV | None = None,
                  fault_route: bool = False, token: str | None = None) -> None:
         """`kv`: the engine's KV side (default: a real engine's pools on `kv_backend`; the mock
         fleet passes its fake engine's)."""
         super().__init__(engine, model, worker_id, fault_route=fault_route, token=token)
-        self.tp: TPEngine = engine
+        self.tp = engine
         self.host = host
         self.pull_deadline_s = pull_deadline_s
         self.kv: ConsumerKV = kv if kv is not None else EngineConsumerKV(engine, kv_backend, host)
@@ -85,7 +86,8 @@ class DecodeServer(EngineServer):
             return got
         seq_id, q = got
         flp = kvp.get("first_token_logprobs")
-        first_lp = [(flp[0], tuple((int(i), float(v)) for i, v in flp[1]))] if _logprob_entry(flp) else None
+        first_lp = [(flp[0], tuple((int(i), float(v)) for i, v in flp[1]))] \
+            if flp is not None and _logprob_entry(flp) else None
         return await self.respond(request, gen, [Choice(0, seq_id, q, [params.first_token_id], first_lp)], kvp=kvp)
 
     async def receive(self, request: web.Request, gen: GenRequest, need: int, params: KVHandoffParams) -> Any:

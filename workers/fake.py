@@ -23,14 +23,14 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mesh.protocol import ConsumerRank, WriteRequest
+from contract.protocol import ConsumerRank, WriteRequest
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
 from workers.engine.kv_cache import BlockManager
 from workers.engine.sampling import Logprob, SamplingParams
-from workers.engine.scheduler import Scheduler, Sequence, SeqState
+from workers.engine.scheduler import Scheduler, SeqState, Sequence
+from workers.faults import Faults
 from workers.kv.stage import Unit
-from workers.server import Faults
 
 VOCAB = 50000
 
@@ -81,7 +81,7 @@ def fake_logprob(t: int, k: int) -> Logprob:
 
 class FakeTokenizer:
     """One token per UTF-8 byte of a prompt; token t's text is " t<t>" (a piece of its own)."""
-    eos_id = None
+    eos_id: int | None = None
     pieces = True      # decode(ids) == "".join(decode([i]) for i in ids): text per token, no state
 
     def encode(self, text: str) -> list[int]:
@@ -109,6 +109,7 @@ class FakeEngine(Engine):
         # no Engine.__init__: there is no checkpoint to read and no model or KV pool to build
         self.cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                                 max_batch_tokens=max_batch_tokens)
+        # (type: ignore below) a model config with the fields the adapters read, and no checkpoint
         self.model_cfg = FakeModelConfig()  # type: ignore[assignment]
         self.tokenizer = FakeTokenizer()
         self.model = None
@@ -201,7 +202,7 @@ class FakeEngine(Engine):
 class FakeProducerKV:
     """A prefill pipeline of `pp_size` stages, all served from this process: each stage's writer
     moves nothing and takes the timing model's time per block (plus a slow stage's fault)."""
-    backend = None
+    backend: str | None = None
     tp_size = 1
 
     def __init__(self, pp_size: int, num_layers: int, timing: MockTiming, delay: Callable[[float], float]) -> None:

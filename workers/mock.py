@@ -9,7 +9,7 @@ process), the decode's pull and release, SSE and the answers are the code the re
 
 Tokens are deterministic (`workers.fake`), so a PD answer equals the same mock's monolithic
 answer. Timing: prefill ms per prompt token, decode ms per token, a jitter fraction; all 0 for
-overhead benchmarks. Faults (`workers.server.Faults`) can be set at start or at run time with
+overhead benchmarks. Faults (`workers.faults.Faults`) can be set at start or at run time with
 `POST /mock/faults`.
 """
 
@@ -21,16 +21,26 @@ from typing import Any
 
 from aiohttp import web
 
-from mesh.dialects import check_dialect
-from mesh.protocol import OWN_CAPABILITIES
+from contract.dialects import ATOM, SGLANG, check_dialect
+from contract.protocol import OWN_CAPABILITIES, PrefillRecord
+from contract.snapshot import Worker, make_worker
 from workers.decode import DecodeServer
+from workers.fake import (
+    VOCAB,
+    FakeConsumerKV,
+    FakeEngine,
+    FakeProducerKV,
+    MockTiming,
+    first_token,
+    next_token,
+    token_ids,
+    token_text,
+)
+from workers.faults import Faults as MockFaults
 from workers.kv.sidechannel import WORKER_TOKEN_ENV
-from workers.fake import VOCAB, FakeConsumerKV, FakeEngine, FakeProducerKV, MockTiming, first_token, next_token, \
-    token_ids, token_text
 from workers.mock_dialects import DECODE, PREFILL
 from workers.prefill import PrefillServer
 from workers.server import EngineServer
-from workers.server import Faults as MockFaults
 
 __all__ = ["FleetSpec", "MockFleet", "MockFaults", "MockTiming", "VOCAB", "first_token", "next_token", "token_ids",
            "token_text"]
@@ -58,7 +68,7 @@ class FleetSpec:
     id_prefix: str = "mock-"        # worker ids are <prefix>prefill-<i> / <prefix>decode-<i>
     num_layers: int = 32            # split across a pipeline's stages
     worker_token: str | None = None  # the worker token (ATOMESH_WORKER_TOKEN must hold it where a mesh routes)
-    dialect: str = "atom"           # atom | vllm | sglang: the PD protocol the workers speak
+    dialect: str = ATOM             # atom | vllm | sglang: the PD protocol the workers speak
 
     def __post_init__(self) -> None:
         check_dialect(self.dialect)
@@ -92,6 +102,7 @@ class MockFleet:
             pkv = FakeProducerKV(s.pp_size, s.num_layers, s.timing, eng.delay)
             w = PREFILL[s.dialect](eng, s.model, f"{s.id_prefix}prefill-{i}", host=s.host, ttl_s=s.ttl_s, kv=pkv,
                                    fault_route=True, token=s.worker_token)
+            # (type: ignore below) the default binds this adapter, not the loop's last one
             pkv.faults = lambda w=w: w.faults  # type: ignore[misc]
             await self._serve(w, port + i if port else 0, seed)
             self.prefills.append(w)
@@ -110,7 +121,7 @@ class MockFleet:
         w.faults = self.spec.faults
         site = web.TCPSite(runner, w.host, port, reuse_address=True, backlog=1024)
         await site.start()
-        w.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        w.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # a started site has its server
         w.url = f"http://{w.host}:{w.port}"
         self._runners.append(runner)
 
@@ -119,10 +130,8 @@ class MockFleet:
             await r.cleanup()
         self._runners.clear()
 
-    def mesh_workers(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    def mesh_workers(self) -> tuple[tuple[Worker, ...], tuple[Worker, ...]]:
         """Static mesh `Worker`s for this fleet: (prefill pipelines, decode engines)."""
-        from mesh.config import make_worker
-
         pre = tuple(make_worker("prefill", {"url": w.url, "id": w.id, "model": w.model, "pp_size": len(w.units),
                                             "block_size": w.engine.cfg.block_size,
                                             "num_blocks": w.engine.blocks.num_blocks,
@@ -130,7 +139,7 @@ class MockFleet:
                                                         "layers": list(a.layers)} for a in w.stage_addrs()],
                                             "dialect": w.dialect, "capabilities": list(capabilities(w)),
                                             **self._auth(),
-                                            **({"bootstrap_port": w.port} if w.dialect == "sglang" else {})}, i)
+                                            **({"bootstrap_port": w.port} if w.dialect == SGLANG else {})}, i)
                     for i, w in enumerate(self.prefills))
         dec = tuple(make_worker("decode", {"url": w.url, "id": w.id, "model": w.model,
                                            "tp_size": len(w.kv.ranks()), "dialect": w.dialect,
@@ -149,7 +158,7 @@ class MockFleet:
         pre, dec = self.mesh_workers()
         out = []
         for w in (*pre, *dec):
-            stages = w.record.stages if w.role == "prefill" else ()
+            stages = w.record.stages if isinstance(w.record, PrefillRecord) else ()
             e = Enrollment(etcd=etcd, record=w.record, stages=stages, cfg=EnrollConfig(ttl=ttl))
             await e.start()
             out.append(e)
@@ -159,4 +168,4 @@ class MockFleet:
 def capabilities(w: EngineServer) -> tuple[str, ...]:
     """docs/protocol.md section 8: a mock speaking this project's protocol serves all three; one speaking
     vLLM's or SGLang's dialect serves none of them, as those engines do not."""
-    return OWN_CAPABILITIES if w.dialect == "atom" else ()
+    return OWN_CAPABILITIES if w.dialect == ATOM else ()

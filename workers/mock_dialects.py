@@ -1,4 +1,4 @@
-"""The mock fleet speaking vLLM's and SGLang's PD dialects (see `mesh.dialects`): the real
+"""The mock fleet speaking vLLM's and SGLang's PD dialects (see `contract.dialects`): the real
 prefill and decode adapters, with the hand-off of each engine in place of docs/protocol.md's.
 
 What each mock checks is what the real engine needs from the mesh, so a test through the mesh
@@ -31,11 +31,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from contract.dialects import ATOM, SGLANG, VLLM
+from workers.choices import Choice
 from workers.decode import DecodeServer
 from workers.fake import first_token
 from workers.openai_io import GenRequest
 from workers.prefill import PrefillServer
-from workers.server import Choice, EngineServer, error_response, json_response
+from workers.server import EngineServer, error_response, json_response
 
 VLLM_NEEDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")
 
@@ -79,13 +81,13 @@ class _Client:
 
     async def stop(self) -> None:   # before the adapter's own stop (the next class in the MRO)
         await self.close_http()
-        await super().stop()  # type: ignore[misc]
+        await super().stop()  # type: ignore[misc]  # the mixin runs before the adapter class in the MRO
 
 
 # -- vllm -------------------------------------------------------------------------------------
 
 class VllmPrefill(PrefillServer):
-    dialect = "vllm"
+    dialect = VLLM
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/mock/vllm/read", self._read)
@@ -117,14 +119,14 @@ class VllmPrefill(PrefillServer):
             return error_response(400, "body is not JSON")
         rid, blocks = (d.get("remote_request_id"), d.get("remote_block_ids")) if isinstance(d, dict) else (None, None)
         held = self.holder.blocks_of(rid) if isinstance(rid, str) else None
-        if held is None or list(held) != blocks:
+        if held is None or rid is None or list(held) != blocks:
             return error_response(404, f"no blocks held for {rid!r}", "remote_request_id")
         self.holder.release_rank(rid, 0)
         return json_response({"read": len(held)})
 
 
 class VllmDecode(_Client, DecodeServer):
-    dialect = "vllm"
+    dialect = VLLM
 
     async def handle(self, request: web.Request, gen: GenRequest, body: dict[str, Any]) -> web.StreamResponse:
         kvp = body.get("kv_transfer_params")
@@ -158,7 +160,7 @@ def _bootstrap(body: dict[str, Any]) -> tuple[str, int, int] | web.Response:
 
 
 class SglangPrefill(PrefillServer):
-    dialect = "sglang"
+    dialect = SGLANG
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -210,7 +212,7 @@ class SglangPrefill(PrefillServer):
 
 
 class SglangDecode(_Client, DecodeServer):
-    dialect = "sglang"
+    dialect = SGLANG
 
     async def handle(self, request: web.Request, gen: GenRequest, body: dict[str, Any]) -> web.StreamResponse:
         if "bootstrap_room" not in body:
@@ -242,5 +244,5 @@ async def _continue(w: DecodeServer, request: web.Request, gen: GenRequest, fetc
     return await w.respond(request, gen, [Choice(0, seq_id, q, [first])])
 
 
-PREFILL: dict[str, type[PrefillServer]] = {"atom": PrefillServer, "vllm": VllmPrefill, "sglang": SglangPrefill}
-DECODE: dict[str, type[DecodeServer]] = {"atom": DecodeServer, "vllm": VllmDecode, "sglang": SglangDecode}
+PREFILL: dict[str, type[PrefillServer]] = {ATOM: PrefillServer, VLLM: VllmPrefill, SGLANG: SglangPrefill}
+DECODE: dict[str, type[DecodeServer]] = {ATOM: DecodeServer, VLLM: VllmDecode, SGLANG: SglangDecode}

@@ -10,8 +10,7 @@ import codecs
 from dataclasses import dataclass
 from typing import Any
 
-from mesh.errors import InvalidRequest
-from mesh.sse import Answer  # noqa: F401 - re-exported for the adapters
+from contract.errors import InvalidRequest
 from workers.engine.sampling import SamplingParams
 from workers.engine.tokenizer import Tokenizer
 

@@ -18,15 +18,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mesh.errors import InvalidRequest, ProtocolError
-from mesh.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
-from workers.engine.engine import StepOutput
-from workers.engine.pp import PPEngine
-from workers.engine.tp import TPEngine
+from contract.dialects import ATOM
+from contract.errors import InvalidRequest, ProtocolError
+from contract.protocol import KVHandoffParams, KVRequestParams, LoadReport, ReleaseCommand, StageAddr
+from contract.sse import Answer
+from workers.engine.engine import Engine, StepOutput
 from workers.kv.holder import Held, TransferHolder
 from workers.kv.sidechannel import ChannelFaults, StageChannel
 from workers.kv.stage import EngineProducerKV, ProducerKV
-from workers.openai_io import Answer, Detokenizer, GenRequest, logprobs_json
+from workers.openai_io import Detokenizer, GenRequest, logprobs_json
 from workers.server import EngineServer, error_response, json_response
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class PrefillServer(EngineServer):
     role = "prefill"
 
-    def __init__(self, engine: PPEngine | TPEngine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
+    def __init__(self, engine: Engine, model: str, worker_id: str, *, kv_backend: str = "mooncake",
                  host: str = "127.0.0.1", ttl_s: float = 120.0, kv: ProducerKV | None = None,
                  fault_route: bool = False, token: str | None = None) -> None:
         """`kv`: the engine's KV side (default: a real engine's pools on `kv_backend`; the mock
@@ -92,7 +92,7 @@ class PrefillServer(EngineServer):
         self.post(self.pp.release, held.transfer_id)
 
     def add_routes(self, app: web.Application) -> None:
-        if self.dialect == "atom":  # vLLM's and SGLang's engines free their KV themselves
+        if self.dialect == ATOM:  # vLLM's and SGLang's engines free their KV themselves
             app.router.add_get("/kv/held", self._held)
             app.router.add_post("/kv/release", self._release)
 

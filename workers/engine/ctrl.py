@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import torch
 
-from mesh.errors import ConfigError, ProtocolError
+from contract.errors import ConfigError, ProtocolError
 from workers.engine.config import EngineConfig, Parallel
 from workers.engine.model import ForwardBatch, SeqSlice
 

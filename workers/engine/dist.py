@@ -8,6 +8,9 @@ after both ends proved the pipeline's secret (random per engine for spawned rank
 to rank 0, TP all-reduce) go over a gloo process group of its own (`ProcessGroupGloo` on a
 `TCPStore`), so several engines can live in one process without a global default group.
 A rank that dies is reported (`RankDied`) rather than waited on forever.
+
+Size: the rank side and the rank-0 side (`Ranks`) of one control protocol, with its handshake
+and process-group setup; issue 18 item 2 splits it (ranks run rank 0's methods by name).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.distributed as dist
 import zmq
 import zmq.utils.monitor as zmq_monitor
 
-from mesh.errors import ProtocolError
+from contract.errors import ProtocolError
 from workers.engine import ctrl
 from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
@@ -102,14 +105,21 @@ def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1", backen
     only: remote stages). NCCL when the ranks hold distinct GPUs
     (NVLink multicast off: NCCL_NVLS_ENABLE=0 unless set); gloo otherwise, binding the address the
     host name resolves to, or the interface named by GLOO_SOCKET_IFNAME."""
+    # torch's stubs do not list its c10d store and gloo option classes among torch.distributed's
+    # exports (they are re-exported from the C extension at import): the attributes exist at run time
+    store: Any
     if store_path:
-        store = dist.FileStore(store_path, world)
+        # (type: ignore below) torch's stubs omit the c10d stores (see above)
+        store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
     elif rank == 0:   # the store's server on a socket of our own, bound to `host` (torch's binds every interface)
         lsock = bound_listener(host, port)
-        store = dist.TCPStore(host, port, world, is_master=True, timeout=TIMEOUT, master_listen_fd=lsock.fileno())
+        # (type: ignore below) torch's stubs omit the c10d stores (see above)
+        store = dist.TCPStore(host, port, world, is_master=True, timeout=TIMEOUT,  # type: ignore[attr-defined]
+                              master_listen_fd=lsock.fileno())
         _STORE_SOCKETS.append(lsock)   # the store serves on its fd for the process's life
     else:
-        store = dist.TCPStore(host, port, world, is_master=False, timeout=TIMEOUT)
+        # (type: ignore below) torch's stubs omit the c10d stores (see above)
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=TIMEOUT)  # type: ignore[attr-defined]
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -119,14 +129,14 @@ def make_group(rank: int, world: int, port: int, host: str = "127.0.0.1", backen
         return dist.ProcessGroupNCCL(store, rank, world, opts)
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if ifname:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (see make_group's store)
         opts._timeout = TIMEOUT
         opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
         return dist.ProcessGroupGloo(store, rank, world, opts)
     return dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
 
 
-def all_reduce_fn(group: Any, direct: bool = False):  # type: ignore[no-untyped-def]
+def all_reduce_fn(group: Any, direct: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """Sum over the TP ranks: in place with NCCL (`direct`) or for host tensors; device tensors
     under gloo go through host memory (ranks may share one GPU, where NCCL needs distinct devices)."""
     def reduce(t: torch.Tensor) -> torch.Tensor:
@@ -304,10 +314,9 @@ def _serve_rank(spec: RankSpec, sock: zmq.Socket, ack: Callable[[Any], None],
             try:
                 if kv_loop is None:
                     raise RuntimeError("enroll needs a stage with a KV side channel")
+                from contract.etcd import EtcdConfig
+                from contract.protocol import StageRecord
                 from workers.register import EnrollConfig, Enrollment
-
-                from mesh.etcd import EtcdConfig
-                from mesh.protocol import StageRecord
 
                 etcd_map, pipeline_id, stage_map, ttl = args
                 # this stage's own credentials, from its own environment: none travel on this channel
@@ -460,7 +469,7 @@ class Ranks:
                 log.warning("rank %d control port: a peer failed the handshake (%s): dropped", r, e.message)
                 if not self.remote:
                     raise RankDied(f"rank {r} failed the control handshake: {e.message}") from None
-                port = int(s.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+                port = int(bytes(s.getsockopt(zmq.LAST_ENDPOINT)).decode().rsplit(":", 1)[1])
                 s.disable_monitor()
                 self.monitors[r - 1].close(0)
                 s.close(0)
@@ -611,6 +620,7 @@ class Ranks:
         if self._ready is not None:
             self._ready.close()
             self._ready.join_thread()
-        if getattr(self, "_store_dir", None):
-            shutil.rmtree(self._store_dir, ignore_errors=True)
+        store_dir = getattr(self, "_store_dir", None)
+        if store_dir:
+            shutil.rmtree(store_dir, ignore_errors=True)
             self._store_dir = None

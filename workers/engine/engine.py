@@ -20,7 +20,7 @@ from workers.engine.config import EngineConfig, ModelConfig, Parallel
 from workers.engine.kv_cache import BlockManager, KVPool
 from workers.engine.model import ForwardBatch, LlamaStage, SeqSlice
 from workers.engine.sampling import Logprob, SamplingParams, logprob_of, sample
-from workers.engine.scheduler import Scheduler, Sequence, SeqState, Work
+from workers.engine.scheduler import Scheduler, SeqState, Sequence, Work
 
 Forward = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]  # (batch, input_ids) -> logits
 
@@ -54,6 +54,16 @@ def build_batch(work: list[Work], block_size: int) -> tuple[ForwardBatch, torch.
 
 
 class Engine:
+    # an engine whose calls are cheap and never block runs them on the adapter's event loop (the
+    # mock fleet's fake engine); `step_s` is then how long its last step would have taken, and
+    # `instant` says every step takes no time
+    inline: bool = False
+    instant: bool = False
+    step_s: float = 0.0
+
+    def close(self) -> None:
+        """Stop what the engine started (rank processes, transports); a single-process engine has none."""
+
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig = EngineConfig(), par: Parallel = Parallel(),
                  forward: Forward | None = None, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  build_model: bool = True) -> None:

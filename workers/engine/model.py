@@ -104,8 +104,12 @@ class LlamaStage:
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """First stage takes `input_ids` [T]; others take `hidden` [T, H]. The last stage returns
         logits [n_sampled, vocab] for the slices that want them; others the hidden states [T, H]."""
-        x = F.embedding(input_ids, self.embed) if self.par.first else hidden
-        assert x is not None
+        if self.par.first:
+            assert input_ids is not None and self.embed is not None
+            x = F.embedding(input_ids, self.embed)
+        else:
+            assert hidden is not None
+            x = hidden
         cos, sin = self.rotary(batch.positions, x.dtype)
         dm = _decode_meta(batch, pool.block_size, x.device)
         for li, layer in enumerate(self.layers):
@@ -120,6 +124,7 @@ class LlamaStage:
             off += s.n
             if s.want_logits:
                 rows.append(off - 1)
+        assert self.norm is not None and self.lm_head is not None   # the last stage holds both
         x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
         return F.linear(x, self.lm_head)
 
@@ -158,7 +163,8 @@ class LlamaStage:
                 mask = torch.arange(ctx, device=h.device)[None, :] <= qpos  # [n, ctx]
                 o = F.scaled_dot_product_attention(qi, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=group > 1)
             outs[i] = o.transpose(0, 1).reshape(sl.n, self.heads * hd)
-        attn = torch.cat(outs, 0) if len(outs) > 1 else outs[0]  # type: ignore[arg-type]
+        parts = [o for o in outs if o is not None]   # every slot was filled above
+        attn = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
         return self.all_reduce(F.linear(attn, layer.o))
 
     def _decode_attention(self, li: int, q: torch.Tensor, dm: "DecodeMeta", pool: KVPool) -> torch.Tensor:

@@ -59,8 +59,11 @@ class PPEngine(Engine):
         if not self.inflight:
             return out
         work, n, send, _ = self.inflight.popleft()
+        assert self.ranks is not None
         logits = self.ranks.wire.buffer(n, self.model_cfg.vocab_size, dtype=self.cfg.torch_dtype)
-        self.ranks.group.recv([logits], self.pp_size - 1, 0).wait()
+        group = self.ranks.group
+        assert group is not None   # a pipeline of more than one stage has its group
+        group.recv([logits], self.pp_size - 1, 0).wait()
         send.wait()
         return out + self._apply(work, logits)
 
@@ -72,7 +75,9 @@ class PPEngine(Engine):
         self.ranks.broadcast("forward", batch, None)
         dev = self.cfg.device
         hidden = self.ranks.wire.out(self.model.forward(batch.to(dev), self.pool, input_ids=ids.to(dev)))
-        send = self.ranks.group.send([hidden], 1, 0)
+        group = self.ranks.group
+        assert group is not None
+        send = group.send([hidden], 1, 0)
         return work, sum(1 for s in batch.slices if s.want_logits), send, hidden
 
     def producer_units(self) -> list[tuple[int, tuple[int, int], int]]:
@@ -96,6 +101,7 @@ class PPEngine(Engine):
         return self.ranks.request(stage, "read_kv", local, blocks)
 
     def close(self) -> None:
-        if getattr(self, "ranks", None) is not None:
-            self.ranks.close()  # type: ignore[union-attr]
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.close()
             self.ranks = None

@@ -65,6 +65,7 @@ class TPEngine(Engine):
                 self.ranks.request(r, "ping")
 
     def close(self) -> None:
-        if getattr(self, "ranks", None) is not None:
-            self.ranks.close()  # type: ignore[union-attr]
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.close()
             self.ranks = None

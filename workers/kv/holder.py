@@ -13,7 +13,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mesh.protocol import FreedTransfer, HeldList, HeldTransfer
+from contract.protocol import FreedTransfer, HeldList, HeldTransfer
 
 
 class BlockPool:

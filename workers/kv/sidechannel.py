@@ -9,6 +9,9 @@ each consumer rank sends `release` to stage 0, which frees the blocks once all r
 
 Sockets: each stage binds a ROUTER on its kv port; the consumer binds a ROUTER on its
 notify port; senders use one DEALER per peer address, kept open.
+
+Size: the producer and consumer ends of one protocol, kept together so each frame's sender and
+receiver (and their checks) read side by side.
 """
 
 from __future__ import annotations
@@ -27,9 +30,16 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from mesh.errors import KVTransferError, ProtocolError
-from mesh.protocol import (ConsumerRank, KVHandoffParams, Release, WriteDone, WriteRequest,
-                           decode_frame, encode_frame)
+from contract.errors import KVTransferError, ProtocolError
+from contract.protocol import (
+    ConsumerRank,
+    KVHandoffParams,
+    Release,
+    WriteDone,
+    WriteRequest,
+    decode_frame,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 

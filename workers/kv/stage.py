@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mesh.protocol import ConsumerRank, WriteRequest
+from contract.protocol import ConsumerRank, WriteRequest
 from workers.engine.kv_cache import KVPool
 from workers.kv.sidechannel import Holder, StageChannel, worker_token
 from workers.kv.transport import Layout, Transport, copy_plan, create
@@ -117,7 +117,8 @@ class EngineProducerKV:
     the other stages serve from their own processes (their ports are in the rank infos)."""
 
     def __init__(self, engine: Any, backend: str, host: str) -> None:
-        self.engine, self.backend = engine, backend
+        self.engine = engine
+        self.backend: str | None = backend
         self.tp_size = int(getattr(engine, "tp_size", 1))
         assert engine.pool is not None
         self.endpoint = register_pool(engine.pool, backend, host)

@@ -16,13 +16,13 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgpack
 import torch
 import zmq
 
-from mesh.errors import KVTransferError
+from contract.errors import KVTransferError
 
 log = logging.getLogger(__name__)
 BACKENDS = ("mooncake", "zmq")

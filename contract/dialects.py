@@ -20,28 +20,35 @@ and a prefill pipeline is paired only with decode engines of its own dialect.
   a `transfer_id` minted by the mesh on both legs; the decode also gets the prefill's bootstrap
   address and its engine id, read from the prefill's bootstrap server (`GET /query`).
 
-The per-dialect steps are `mesh.flows` (one `Flow` each); this module holds the names.
+The per-dialect steps are the gateway's flows (one `Flow` each); this module holds the names.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
-from mesh.errors import ProtocolError
+from contract.errors import ProtocolError
 
-ATOM = "atom"
-VLLM = "vllm"
-SGLANG = "sglang"
-VLLM_MOONCAKE = "vllm-mooncake"
-DIALECTS = (ATOM, VLLM, SGLANG, VLLM_MOONCAKE)
+
+class Dialect(StrEnum):
+    """The PD dialects (a `str`: records, TOML and flags carry the plain name)."""
+    ATOM = "atom"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    VLLM_MOONCAKE = "vllm-mooncake"
+
+
+ATOM, VLLM, SGLANG, VLLM_MOONCAKE = Dialect.ATOM, Dialect.VLLM, Dialect.SGLANG, Dialect.VLLM_MOONCAKE
+DIALECTS: tuple[str, ...] = tuple(d.value for d in Dialect)
 # SGLang's default --disaggregation-bootstrap-port and vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
-def check_dialect(value: Any, where: str = "dialect") -> str:
-    if value not in DIALECTS:
+def check_dialect(value: Any, where: str = "dialect") -> Dialect:
+    if not isinstance(value, str) or value not in DIALECTS:
         raise ProtocolError(f"{where}: unknown dialect {value!r}; one of {', '.join(DIALECTS)}", param=where)
-    return str(value)
+    return Dialect(value)
 
 
 def one_token(body: dict[str, Any]) -> dict[str, Any]:

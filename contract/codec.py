@@ -1,6 +1,7 @@
 """A small typed codec for wire messages: frozen dataclasses <-> plain dicts.
 
-`@message` turns a dataclass into a wire message with `decode(dict)` and `encode()`.
+`@message` turns a subclass of `Message` into a frozen slotted dataclass whose `decode(dict)` and
+`encode()` are built once from its fields (the base class declares them for the type checker).
 Field types come from the annotations: str, int, float, bool, dict, Any, another
 message, `tuple[T, ...]` of those, and `T | None`. Unknown keys are kept in `extra` and
 written back by `encode()`, so a message passes through the mesh untouched (engines add
@@ -12,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Self, TypeVar, dataclass_transform
 
-from mesh.errors import ProtocolError
+from contract.errors import ProtocolError
 
-T = TypeVar("T")
+M = TypeVar("M", bound="Message")
 _Check = Callable[[Any, str], Any]
 _Enc = Callable[[Any], Any]
 
@@ -32,6 +33,8 @@ def _scalar(kind: type) -> _Check:
         # bool is an int in Python; refuse it where a number is meant, and vice versa
         if type(v) is kind or (kind is float and type(v) is int):
             return v
+        if kind is str and isinstance(v, str):   # a str subclass (a `Dialect`): its plain value
+            return str.__str__(v)
         _fail(path, f"expected {name}, got {type(v).__name__}")
 
     return check
@@ -57,7 +60,10 @@ def _plan(tp: Any) -> tuple[_Check, _Enc | None]:
         def opt(v: Any, path: str) -> Any:
             return None if v is None else inner(v, path)
 
-        return opt, (None if enc is None else (lambda v: None if v is None else enc(v)))
+        if enc is None:
+            return opt, None
+        inner_enc = enc
+        return opt, (lambda v: None if v is None else inner_enc(v))
     if origin is tuple:
         inner, enc = _plan(typing.get_args(tp)[0])
 
@@ -70,7 +76,7 @@ def _plan(tp: Any) -> tuple[_Check, _Enc | None]:
                 return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(v))
 
         return seq, (lambda v: [enc(x) for x in v]) if enc else list
-    if isinstance(tp, type) and hasattr(tp, "__wire__"):
+    if isinstance(tp, type) and issubclass(tp, Message):
         return (lambda v, path: tp.decode(v, path)), (lambda v: v.encode())
     if tp is Any:
         return _any, None
@@ -81,11 +87,25 @@ def _plan(tp: Any) -> tuple[_Check, _Enc | None]:
     raise TypeError(f"unsupported wire type {tp!r}")
 
 
-def message(cls: type[T]) -> type[T]:
-    """Class decorator: frozen slotted dataclass with `decode`/`encode` and an `extra` dict."""
-    if "extra" not in cls.__annotations__:
-        cls.__annotations__["extra"] = dict
-        cls.extra = dataclasses.field(default_factory=dict, compare=False)  # type: ignore[attr-defined]
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """A wire message: what `@message` builds on. `extra`: the keys this side does not know, kept
+    and written back (keyword-only, so a subclass's required fields may follow it)."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, kw_only=True)
+
+    @classmethod
+    def decode(cls, data: Any, path: str = "") -> Self:
+        """The message in `data` (a dict off the wire), every field checked; `path` names it in errors."""
+        raise TypeError(f"{cls.__name__} is not decorated with @message")
+
+    def encode(self) -> dict[str, Any]:
+        """The message as a plain dict (msgpack / JSON ready), `extra` included."""
+        raise TypeError(f"{type(self).__name__} is not decorated with @message")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
+def message(cls: type[M]) -> type[M]:
+    """Class decorator on a `Message` subclass: a frozen slotted dataclass with `decode`/`encode`."""
     dc = dataclasses.dataclass(frozen=True, slots=True)(cls)
     hints = typing.get_type_hints(dc)
     plan: list[tuple[str, _Check, _Enc | None, bool]] = []
@@ -97,8 +117,7 @@ def message(cls: type[T]) -> type[T]:
         plan.append((f.name, check, enc, required))
     known = frozenset(p[0] for p in plan)
 
-    @classmethod  # type: ignore[misc]
-    def decode(klass: type[T], data: Any, path: str = "") -> T:
+    def decode(klass: type[M], data: Any, path: str = "") -> M:
         if not isinstance(data, dict):
             _fail(path or klass.__name__, f"expected object, got {type(data).__name__}")
         kw: dict[str, Any] = {}
@@ -118,14 +137,14 @@ def message(cls: type[T]) -> type[T]:
             kw["extra"] = {k: v for k, v in data.items() if k not in known}
         return klass(**kw)
 
-    def encode(self: Any) -> dict[str, Any]:
+    def encode(self: Message) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra) if self.extra else {}
         for name, _check, enc, _req in plan:
             v = getattr(self, name)
             out[name] = enc(v) if enc is not None else v
         return out
 
-    dc.decode = decode  # type: ignore[attr-defined]
-    dc.encode = encode  # type: ignore[attr-defined]
-    dc.__wire__ = True  # type: ignore[attr-defined]
+    # built per class, over its own field plan: no per-call lookups on the hot path
+    setattr(dc, "decode", classmethod(decode))
+    setattr(dc, "encode", encode)
     return dc

@@ -1,4 +1,5 @@
-"""Immutable views of the fleet that routing policies read.
+"""Immutable views of the fleet that routing policies read, and the static worker a TOML table or
+a `mesh register` flag describes (`make_worker`).
 
 The registry produces `Worker`s; the mesh combines them with health into a `RoutingTable`
 (rebuilt whenever membership or health changes, never per request) and hands a policy a
@@ -10,12 +11,26 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Mapping, Union
+from typing import Any, Literal, Mapping, Union
+from urllib.parse import urlsplit
 
-from mesh.protocol import DecodeRecord, PrefillRecord
+from contract.dialects import check_dialect
+from contract.errors import ConfigError, ProtocolError
+from contract.protocol import DecodeRecord, PrefillRecord, check_capabilities
 
 Role = Literal["prefill", "decode", "worker"]
 Record = Union[PrefillRecord, DecodeRecord]
+
+
+def split_url(url: str) -> tuple[str, int, bool, str]:
+    """'http://h:1/x' -> ('h', 1, False, '/x')."""
+    scheme, _, rest = url.partition("://")
+    hostport, _, path = rest.partition("/")
+    tls = scheme == "https"
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = hostport, ("443" if tls else "80")
+    return host.strip("[]"), int(port), tls, "/" + path if path else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +47,6 @@ class Worker:
     auth: dict[str, str] = field(init=False, compare=False, repr=False)   # headers every call to it carries
 
     def __post_init__(self) -> None:
-        from mesh.h1 import split_url
-
         host, port, tls, _ = split_url(self.url)
         object.__setattr__(self, "host", host)
         object.__setattr__(self, "port", port)
@@ -88,3 +101,38 @@ class RoutingTable:
         if dialect is not None and role == "decode":
             return self.decode_by_dialect.get((model, dialect), ())
         return self.by_role_model.get((role, model), ())
+
+
+def _check_url(url: Any, where: str) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}.url must be a string")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}.url must be an http(s) URL with a host, got {url!r}")
+    try:
+        _ = parts.port  # the property raises on a bad port
+    except ValueError:
+        raise ConfigError(f"{where}.url has a bad port: {url!r}") from None
+    return url.rstrip("/")
+
+
+def make_worker(role: str, spec: dict[str, Any], index: int, *, here: bool = True) -> Worker:
+    """A static worker from a TOML table or a bare `--prefill URL` flag (`here`: the mesh that routes
+    to it runs in this process, so an `api_key_env` must be set here)."""
+    where = f"{role}[{index}]"
+    url = _check_url(spec.get("url"), where)
+    data = {"id": f"{role}-{index}", "model": "", **spec, "url": url}
+    cls = PrefillRecord if role == "prefill" else DecodeRecord
+    try:
+        record = cls.decode(data, where)
+        check_dialect(record.dialect, f"{where}.dialect")
+        check_capabilities(record.capabilities, f"{where}.capabilities")
+        if here and record.api_key_env and not os.environ.get(record.api_key_env):
+            raise ProtocolError(f"{where}.api_key_env: the environment variable {record.api_key_env!r} is not set",
+                                param=f"{where}.api_key_env")
+        if getattr(record, "dp_size", 1) < 1 or record.tp_size < 1:
+            raise ProtocolError(f"{where}: tp_size and dp_size must be >= 1", param=f"{where}.dp_size")
+    except ProtocolError as e:
+        raise ConfigError(str(e)) from None
+    # (type: ignore below) role was checked by the caller's table: one of the Role names
+    return Worker(id=record.id, role=role, url=url, model=record.model, record=record)  # type: ignore[arg-type]

@@ -28,7 +28,8 @@ class BadRequestLog(logging.Filter):
             return True
         self.total += 1
         msg = str(record.msg)
-        peer = str(record.args[0]) if "from %s" in msg and record.args else "?"  # type: ignore[index]
+        args = record.args
+        peer = str(args[0]) if "from %s" in msg and isinstance(args, tuple) and args else "?"
         now = time.monotonic()
         last, folded = self._last.get(peer, (float("-inf"), 0))
         if now - last < self.every:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import aetcd
 
-from mesh.errors import ConfigError
-from mesh.etcd import EtcdConfig, open_client
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig, open_client
 
 log = logging.getLogger(__name__)
 

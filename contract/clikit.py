@@ -10,31 +10,33 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from mesh.errors import ConfigError
-from mesh.etcd import EtcdConfig
+T = TypeVar("T")
+
+from contract.errors import ConfigError
+from contract.etcd import EtcdConfig
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
-def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop)` on uvloop when installed; SIGTERM / SIGINT set `stop`."""
+def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """Run `main(stop)` on uvloop when installed; SIGTERM / SIGINT set `stop`. Returns what `main` does."""
     try:
         import uvloop
         factory: Any = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         factory = None
 
-    async def wrapper() -> None:
+    async def wrapper() -> T:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        return await main(stop)
 
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(wrapper())
+        return runner.run(wrapper())
 
 
 class Help(argparse.RawDescriptionHelpFormatter):

@@ -11,11 +11,12 @@ from typing import Any
 
 import msgpack
 
-from mesh.codec import message
-from mesh.errors import ProtocolError
+from contract.codec import Message, message
+from contract.dialects import ATOM
+from contract.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
-DIALECT_ATOM = "atom"
+KV_PULL_HEADER = "x-atomesh-kv-pull-ms"   # a decode worker's answer: how long its KV pull took (ms)
 
 # -- section 8: worker capabilities (what a worker serves beyond OpenAI) -----------------------
 HOLDER_API = "holder_api"                  # GET /kv/held, POST /kv/release (section 7)
@@ -39,7 +40,7 @@ def check_capabilities(caps: tuple[str, ...], where: str = "capabilities") -> tu
 # -- section 2: registry records ------------------------------------------------------------
 
 @message
-class StageRecord:
+class StageRecord(Message):
     """One stage of a prefill pipeline: where its KV side channel listens, which layers it owns."""
     pp_rank: int
     host: str
@@ -48,7 +49,7 @@ class StageRecord:
 
 
 @message
-class PrefillRecord:
+class PrefillRecord(Message):
     """`prefill/<pipeline_id>`: a prefill pipeline, routed to as one unit."""
     id: str
     model: str
@@ -58,7 +59,7 @@ class PrefillRecord:
     block_size: int = 16
     num_blocks: int = 0
     kv_backend: str = "zmq"
-    dialect: str = DIALECT_ATOM
+    dialect: str = ATOM.value
     stages: tuple[StageRecord, ...] = ()
     draining: bool = False
     dp_size: int = 1                       # data-parallel ranks behind the url (ATOM decode enrichment)
@@ -67,7 +68,7 @@ class PrefillRecord:
 
 
 @message
-class StageLiveness:
+class StageLiveness(Message):
     """`prefill/<pipeline_id>/stage/<pp_rank>`: one stage is alive (under its own lease)."""
     pid: int
     host: str
@@ -76,14 +77,14 @@ class StageLiveness:
 
 
 @message
-class RankRecord:
+class RankRecord(Message):
     tp_rank: int
     host: str
     segment: str = ""
 
 
 @message
-class DecodeRecord:
+class DecodeRecord(Message):
     """`decode/<engine_id>`: a decode engine (tp_size ranks behind one HTTP url)."""
     id: str
     model: str
@@ -92,7 +93,7 @@ class DecodeRecord:
     block_size: int = 16
     num_blocks: int = 0
     kv_backend: str = "zmq"
-    dialect: str = DIALECT_ATOM
+    dialect: str = ATOM.value
     ranks: tuple[RankRecord, ...] = ()
     draining: bool = False
     capabilities: tuple[str, ...] = ()     # section 8
@@ -100,7 +101,7 @@ class DecodeRecord:
 
 
 @message
-class MeshRecord:
+class MeshRecord(Message):
     """`mesh/<mesh_id>`: a mesh replica."""
     url: str
     version: str
@@ -110,7 +111,7 @@ class MeshRecord:
 # -- sections 4-5: kv_transfer_params ---------------------------------------------------------
 
 @message
-class KVRequestParams:
+class KVRequestParams(Message):
     """mesh -> prefill: where the KV will go (the decode engine picked for this request)."""
     remote_engine_id: str
     remote_host: str
@@ -123,7 +124,7 @@ class KVRequestParams:
 
 
 @message
-class StageAddr:
+class StageAddr(Message):
     pp_rank: int
     host: str
     port: int
@@ -131,7 +132,7 @@ class StageAddr:
 
 
 @message
-class KVHandoffParams:
+class KVHandoffParams(Message):
     """prefill -> mesh -> decode: where the KV is held and how to pull it."""
     remote_engine_id: str
     remote_host: str
@@ -169,7 +170,7 @@ def handoff_for_decode(raw: dict[str, Any]) -> dict[str, Any]:
 # -- section 6: KV side channel (msgpack frames [type, body]) ----------------------------------
 
 @message
-class ConsumerRank:
+class ConsumerRank(Message):
     """One decode rank's landing zone for a write."""
     tp_rank: int
     segment: str
@@ -179,7 +180,7 @@ class ConsumerRank:
 
 
 @message
-class WriteRequest:
+class WriteRequest(Message):
     request_id: str
     transfer_id: str
     src_block_ids: tuple[int, ...]
@@ -191,7 +192,7 @@ class WriteRequest:
 
 
 @message
-class WriteDone:
+class WriteDone(Message):
     request_id: str
     transfer_id: str
     pp_rank: int
@@ -202,13 +203,13 @@ class WriteDone:
 
 
 @message
-class Release:
+class Release(Message):
     transfer_id: str
     tp_rank: int
     auth: str = ""        # with a worker token: HMAC of the release (workers/kv/sidechannel.py)
 
 
-SIDE_MESSAGES: dict[str, type] = {
+SIDE_MESSAGES: dict[str, type[Message]] = {
     "write_request": WriteRequest,
     "write_done": WriteDone,
     "release": Release,
@@ -216,12 +217,13 @@ SIDE_MESSAGES: dict[str, type] = {
 _SIDE_NAMES = {cls: name for name, cls in SIDE_MESSAGES.items()}
 
 
-def encode_frame(msg: Any) -> bytes:
+def encode_frame(msg: Message) -> bytes:
     """A side-channel message as one msgpack frame `[type, body]`."""
-    return msgpack.packb([_SIDE_NAMES[type(msg)], msg.encode()])
+    out: bytes = msgpack.packb([_SIDE_NAMES[type(msg)], msg.encode()])
+    return out
 
 
-def decode_frame(frame: bytes) -> Any:
+def decode_frame(frame: bytes) -> Message:
     try:
         kind, body = msgpack.unpackb(frame)
     except Exception as e:  # noqa: BLE001 - any malformed frame is a protocol error
@@ -240,7 +242,7 @@ def decode_frame(frame: bytes) -> Any:
 # -- section 7: holder HTTP API ---------------------------------------------------------------
 
 @message
-class HeldTransfer:
+class HeldTransfer(Message):
     transfer_id: str
     blocks: int
     age_s: float
@@ -249,7 +251,7 @@ class HeldTransfer:
 
 
 @message
-class FreedTransfer:
+class FreedTransfer(Message):
     """A transfer the holder freed recently, and by which path (consumer / mesh-reclaim / ttl)."""
     transfer_id: str
     path: str
@@ -259,7 +261,7 @@ class FreedTransfer:
 
 
 @message
-class HeldList:
+class HeldList(Message):
     """`GET /kv/held?since=SEQ` on a prefill pipeline: what it holds, and what it freed after SEQ."""
     transfers: tuple[HeldTransfer, ...]
     freed: tuple[FreedTransfer, ...] = ()
@@ -267,20 +269,20 @@ class HeldList:
 
 
 @message
-class ReleaseCommand:
+class ReleaseCommand(Message):
     """`POST /kv/release` on a prefill pipeline (idempotent)."""
     transfer_id: str
     reason: str = "mesh-reclaim"
 
 
 @message
-class ReleaseResult:
+class ReleaseResult(Message):
     transfer_id: str
     released: bool
 
 
 @message
-class LoadReport:
+class LoadReport(Message):
     """`GET /load` on any worker."""
     in_flight: int
     queued: int = 0

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import aetcd
 from aetcd import rpc
 
-from mesh.errors import ConfigError
+from contract.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class Keys:
         return None
 
 
-class _TLSClient(aetcd.Client):
+class _TLSClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type information
     """aetcd.Client that opens a TLS channel (aetcd 1.0 only knows insecure ones)."""
 
     def __init__(self, *a: Any, credentials: Any, **kw: Any) -> None:
@@ -130,7 +130,7 @@ def open_client(cfg: EtcdConfig, endpoint: int = 0) -> aetcd.Client:
                               timeout=cfg.timeout)
     if not cfg.tls:
         return aetcd.Client(**kw)
-    import grpc
+    import grpc  # type: ignore[import-untyped]  # grpcio ships no type information
 
     def read(path: str | None) -> bytes | None:
         if path is None:
