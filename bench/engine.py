@@ -109,6 +109,9 @@ SIZES = {
 
 
 def main() -> None:
+    from workers.engine.group import process_env
+
+    process_env()   # NCCL defaults, as a worker process sets them at its start
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)

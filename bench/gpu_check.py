@@ -159,6 +159,9 @@ def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[st
 
 
 def main() -> None:
+    from workers.engine.group import process_env
+
+    process_env()   # NCCL defaults, as a worker process sets them at its start
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu-check.json"))

@@ -12,8 +12,8 @@ import torch
 from contract.errors import ConfigError, ProtocolError
 from workers.engine import ctrl
 from workers.engine.config import EngineConfig, Parallel
-from workers.engine.dist import RankSpec
 from workers.engine.model import ForwardBatch, SeqSlice
+from workers.engine.rank import RankSpec
 
 
 class Boom:

@@ -11,10 +11,10 @@ import torch
 
 from workers.engine.checkpoint import generate, tiny_config
 from workers.engine.config import EngineConfig, ModelConfig, partition
-from workers.engine.dist import RankDied
 from workers.engine.engine import Engine
 from workers.engine.kv_cache import BlockManager
 from workers.engine.pp import PPEngine
+from workers.engine.rank import RankDied
 from workers.engine.sampling import SamplingParams
 from workers.engine.tp import TPEngine
 
@@ -220,7 +220,7 @@ def test_tokenizers(tmp_path):
 
 
 def test_group_backend_is_nccl_only_for_distinct_gpus():
-    from workers.engine.dist import group_backend
+    from workers.engine.group import group_backend
 
     assert group_backend(["cuda:0", "cuda:1", "cuda:2", "cuda:3"]) == "nccl"
     for devs in (["cuda:0", "cuda:0"], ["cuda", "cuda"], ["cpu", "cpu"], ["cuda:0"], ["cuda:0", "cpu"]):

@@ -123,11 +123,13 @@ def cmd_register(a: argparse.Namespace) -> None:
 # -- the reference engine's processes ---------------------------------------------------------
 
 def cmd_worker(a: argparse.Namespace) -> None:
-    from workers.engine.dist import RankDied
+    from workers.engine.group import process_env
+    from workers.engine.rank import RankDied
     from workers.launch import serve_worker, worker_config
 
     cfg = worker_config(a.cmd, a, etcd_config(a) if a.etcd else None)   # checked before any process starts
     quiet_native_logs(a)
+    process_env()
     try:
         code = run_until_stopped(lambda stop: serve_worker(cfg, stop))
     except RankDied as e:  # a rank or stage that never came, failed the handshake, or a stop meanwhile
@@ -147,7 +149,8 @@ def quiet_native_logs(a: argparse.Namespace) -> None:
 
 def cmd_stage(a: argparse.Namespace) -> None:
     """One PP stage of a pipeline whose head runs `mesh prefill --remote-stages PORT` elsewhere."""
-    from workers.engine.dist import RankDied, serve_remote_stage
+    from workers import rank_hooks
+    from workers.engine.rank import RankDied, serve_remote_stage
 
     host, _, port = a.head.rpartition(":")
     if not host or not port.isdigit():
@@ -158,7 +161,8 @@ def cmd_stage(a: argparse.Namespace) -> None:
     print(f"stage {a.pp_rank} joining {a.head}", flush=True)
     code = 0
     try:
-        serve_remote_stage(host, int(port), a.pp_rank, a.checkpoint, a.host, a.connect_timeout)
+        serve_remote_stage(host, int(port), a.pp_rank, a.checkpoint, a.host, a.connect_timeout,
+                           startup=rank_hooks.startup)
     except RankDied as e:
         print(f"stage {a.pp_rank}: {e}", file=sys.stderr, flush=True)
         code = 3

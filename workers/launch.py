@@ -15,6 +15,7 @@ from aiohttp import web
 from contract.errors import ConfigError
 from contract.etcd import EtcdConfig
 from contract.protocol import OWN_CAPABILITIES, DecodeRecord, PrefillRecord, RankRecord, StageRecord
+from workers import rank_hooks
 from workers.engine.config import EngineConfig
 from workers.faults import Faults
 from workers.kv.sidechannel import WORKER_TOKEN_ENV, worker_token
@@ -114,19 +115,20 @@ async def serve_worker(c: WorkerConfig, stop: asyncio.Event) -> int:
 
         if tp_prefill:  # each TP rank serves its slice of the KV heads, of every layer
             engine: Any = TPEngine(c.checkpoint, cfg, c.tp_size, kv_backend=c.kv_backend, kv_host=c.host,
-                                   devices=devs, producer=True)
+                                   devices=devs, producer=True, rank_startup=rank_hooks.startup)
         elif c.remote_stages:  # the wait for the stages runs in a thread, so SIGTERM (stop) ends it
             cancel = threading.Event()
             heard = asyncio.create_task(_on_stop(stop, cancel))
             try:
                 engine = await asyncio.to_thread(PPEngine, c.checkpoint, cfg, c.pp_size, c.partition,
                                                  kv_backend=c.kv_backend, kv_host=c.host,
-                                                 remote_port=c.remote_stages, devices=devs, cancel=cancel)
+                                                 remote_port=c.remote_stages, devices=devs, cancel=cancel,
+                                                 rank_startup=rank_hooks.startup)
             finally:
                 heard.cancel()
         else:
             engine = PPEngine(c.checkpoint, cfg, c.pp_size, c.partition, kv_backend=c.kv_backend, kv_host=c.host,
-                              devices=devs)
+                              devices=devs, rank_startup=rank_hooks.startup)
         wid = c.id or opaque_id("prefill", c.host, c.port)
         server: Any = PrefillServer(engine, model, wid, kv_backend=c.kv_backend, host=c.host, ttl_s=c.kv_ttl,
                                     token=token)
@@ -134,7 +136,8 @@ async def serve_worker(c: WorkerConfig, stop: asyncio.Event) -> int:
         from workers.decode import DecodeServer
         from workers.engine.tp import TPEngine
 
-        engine = TPEngine(c.checkpoint, cfg, c.tp_size, kv_backend=c.kv_backend, kv_host=c.host, devices=devs)
+        engine = TPEngine(c.checkpoint, cfg, c.tp_size, kv_backend=c.kv_backend, kv_host=c.host, devices=devs,
+                          rank_startup=rank_hooks.startup)
         wid = c.id or opaque_id("decode", c.host, c.port)
         server = DecodeServer(engine, model, wid, kv_backend=c.kv_backend, host=c.host, token=token)
     if faults is not None:

@@ -21,13 +21,16 @@ import torch
 from workers.engine.config import EngineConfig, ModelConfig, Parallel, partition
 from workers.engine.dist import Ranks
 from workers.engine.engine import Engine, StepOutput, build_batch
+from workers.engine.rank import RankStartup
 from workers.engine.scheduler import Work
 
 
 class PPEngine(Engine):
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig, pp_size: int,
                  layer_partition: str | None = None, kv_backend: str | None = None, kv_host: str = "127.0.0.1",
-                 remote_port: int | None = None, devices: list[str] | None = None, cancel: Any = None) -> None:
+                 remote_port: int | None = None, devices: list[str] | None = None, cancel: Any = None,
+                 rank_startup: RankStartup | None = None) -> None:
+        """`rank_startup`: what each spawned stage runs once built (its KV side; `workers/` gives it)."""
         mc = ModelConfig.load(checkpoint)
         self.parts = partition(mc.num_hidden_layers, pp_size, layer_partition)
         pars = [Parallel(pp_rank=r, pp_size=pp_size, layer_start=a, layer_end=b)
@@ -37,7 +40,7 @@ class PPEngine(Engine):
         self.max_inflight = 0
         self.ranks = Ranks("pp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host,
                            remote_port=remote_port, bind_host=kv_host, start_timeout=600.0 if remote_port else 120.0,
-                           devices=devices, cancel=cancel) if pp_size > 1 else None
+                           devices=devices, cancel=cancel, startup=rank_startup) if pp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0])
         except BaseException:

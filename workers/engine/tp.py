@@ -12,21 +12,25 @@ from pathlib import Path
 import torch
 
 from workers.engine.config import EngineConfig, Parallel
-from workers.engine.dist import Ranks, all_reduce_fn
+from workers.engine.dist import Ranks
 from workers.engine.engine import Engine
+from workers.engine.group import all_reduce_fn
 from workers.engine.model import ForwardBatch
+from workers.engine.rank import RankStartup
 
 
 class TPEngine(Engine):
     def __init__(self, checkpoint: str | Path, cfg: EngineConfig, tp_size: int, kv_backend: str | None = None,
-                 kv_host: str = "127.0.0.1", devices: list[str] | None = None, producer: bool = False) -> None:
-        """`producer`: a TP prefill engine, each rank serving its KV heads to decode engines."""
+                 kv_host: str = "127.0.0.1", devices: list[str] | None = None, producer: bool = False,
+                 rank_startup: RankStartup | None = None) -> None:
+        """`producer`: a TP prefill engine, each rank serving its KV heads to decode engines.
+        `rank_startup`: what each spawned rank runs once built (its KV side; `workers/` gives it)."""
         if tp_size < 1:
             raise ValueError("tp_size must be >= 1")
         self.tp_size = tp_size
         pars = [Parallel(tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
         self.ranks = Ranks("tp", checkpoint, cfg, pars, kv_backend=kv_backend, kv_host=kv_host,
-                           devices=devices, producer=producer) if tp_size > 1 else None
+                           devices=devices, producer=producer, startup=rank_startup) if tp_size > 1 else None
         try:
             super().__init__(checkpoint, cfg, pars[0],
                              all_reduce=all_reduce_fn(self.ranks.group, self.ranks.wire.direct) if self.ranks else None)
