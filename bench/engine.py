@@ -4,6 +4,12 @@ same weights and device, side by side in one run; on a GPU also against the floo
     .venv/bin/python bench/engine.py [--prompt-len 128] [--new-tokens 64] [--batches 1,8,32]
     python3 bench/engine.py --device cuda --dtype bfloat16 --size large --batches 1,8,32,64 \
         --prompt-len 512 --new-tokens 128                      # the H200 run in docs/benchmarks.md
+    .venv/bin/python bench/engine.py --ranks 2 [--compare DIR]  # the rank control plane per step
+
+`--ranks N`: what a step costs on a multi-process engine (TP=N decode, PP=N prefill pipeline) at
+batch 1, where the per-step control messages to the other ranks weigh most; with `--compare DIR`
+(a worktree of another commit) the same measurement of that tree, in the same run, rounds
+alternating, each engine in a process of its own.
 
 The model is a seeded random Llama (written to a temp dir): `small` (hidden 256, 4 layers) or
 `large` (hidden 2048, 16 layers, 16 heads / 8 KV heads, MLP 5632, vocab 32000: 1.0 B parameters).
@@ -108,6 +114,66 @@ SIZES = {
 }
 
 
+RANK_STEP = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from workers.engine.config import EngineConfig
+from workers.engine.pp import PPEngine
+from workers.engine.sampling import SamplingParams
+from workers.engine.tp import TPEngine
+ckpt, kind, n, steps = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(1)
+cfg = EngineConfig(num_blocks=256, max_num_seqs=8, max_batch_tokens=512)
+eng = TPEngine(ckpt, cfg, n) if kind == "tp" else PPEngine(ckpt, cfg, n)
+out = {}
+for rnd in range(2):   # the first round warms up
+    eng.add(f"s{rnd}", list(range(1, 33)), SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    while not eng.seqs[f"s{rnd}"].output:
+        eng.step()
+    t0 = time.perf_counter()
+    k = 0
+    while eng.scheduler.has_work():
+        eng.step()
+        k += 1
+    out = {"step_ms": (time.perf_counter() - t0) / k * 1e3, "steps": k}
+eng.close()
+print(json.dumps(out))
+"""
+
+
+def rank_steps(a: argparse.Namespace) -> None:
+    """`--ranks N`: ms per decode step at batch 1 of TP=N and PP=N engines, this tree and `--compare`."""
+    import statistics
+    import subprocess
+
+    d = tempfile.mkdtemp(prefix="atomesh-bench-")
+    generate(d, tiny_config(**SIZES["small"]), seed=0)
+    trees = {"this": ROOT} | ({"compare": Path(a.compare).resolve()} if a.compare else {})
+    got: dict[tuple[str, str], list[float]] = {}
+    for _ in range(a.rounds):
+        for kind in ("tp", "pp"):
+            for name, tree in trees.items():
+                r = subprocess.run([sys.executable, "-c", RANK_STEP, str(tree), d, kind, str(a.ranks), "64"],
+                                   cwd=tree, capture_output=True, text=True, timeout=300)
+                if r.returncode != 0:
+                    raise SystemExit(f"{name} {kind}: {r.stderr[-2000:]}")
+                got.setdefault((kind, name), []).append(json.loads(r.stdout.strip().splitlines()[-1])["step_ms"])
+    rows = []
+    for kind in ("tp", "pp"):
+        med = {name: statistics.median(got[(kind, name)]) for name in trees}
+        row: dict[str, object] = {"kind": kind, "ranks": a.ranks, **{f"{n}_step_ms": round(v, 3) for n, v in med.items()}}
+        if a.compare:
+            row["this_over_compare"] = round(med["this"] / med["compare"], 3)
+        rows.append(row)
+        print(row, flush=True)
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"engine-ranks-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(a), "trees": {k: str(v) for k, v in trees.items()}, "rows": rows,
+                               "samples": {f"{k}/{n}": v for (k, n), v in got.items()}}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     from workers.engine.group import process_env
 
@@ -120,7 +186,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--out", help="results JSON (default bench/results/engine-<time>.json)")
+    ap.add_argument("--ranks", type=int, help="measure the rank control plane per step (TP=N and PP=N, CPU)")
+    ap.add_argument("--compare", help="with --ranks: another tree (a worktree) measured in the same run")
+    ap.add_argument("--rounds", type=int, default=3, help="with --ranks: alternating rounds per tree")
     a = ap.parse_args()
+    if a.ranks:
+        return rank_steps(a)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """The mesh's aiohttp application: routes, the error middleware, background work.
 
-`create_app(cfg)` builds it; `serve(app, host, port)` runs it with handler cancellation on
-(a client that leaves cancels its request, so both legs are cut and the KV released).
+`create_app(cfg)` builds it; `start_site(app, host, port)` serves it with handler cancellation on
+(a client that leaves cancels its request, so both legs are cut and the KV released);
+`mesh.cli.serve_until` runs it until SIGTERM.
 Long-lived work (the pooled ClientSession, health probes, pending releases) lives in
 `cleanup_ctx` and is cancelled and awaited on shutdown.
 
