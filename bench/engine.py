@@ -151,9 +151,10 @@ def rank_steps(a: argparse.Namespace) -> None:
     generate(d, tiny_config(**SIZES["small"]), seed=0)
     trees = {"this": ROOT} | ({"compare": Path(a.compare).resolve()} if a.compare else {})
     got: dict[tuple[str, str], list[float]] = {}
-    for _ in range(a.rounds):
+    for i in range(a.rounds):
         for kind in ("tp", "pp"):
-            for name, tree in trees.items():
+            order = list(trees.items())
+            for name, tree in order if i % 2 == 0 else order[::-1]:   # who goes first alternates
                 r = subprocess.run([sys.executable, "-c", RANK_STEP, str(tree), d, kind, str(a.ranks), "64"],
                                    cwd=tree, capture_output=True, text=True, timeout=300)
                 if r.returncode != 0:
