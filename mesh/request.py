@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -35,24 +35,18 @@ class Limits:
                 raise ValueError(f"{name} must be > 0")
 
 
+@dataclass(slots=True, eq=False)
 class ClientRequest:
     """A validated client request. `body` is the client's JSON object, as sent."""
-
-    __slots__ = ("kind", "model", "stream", "include_usage", "max_tokens", "body", "request_id",
-                 "session_key", "_prompt")
-
-    def __init__(self, kind: Kind, model: str, stream: bool, include_usage: bool,
-                 max_tokens: int | None, body: dict[str, Any], request_id: str,
-                 session_key: str | None) -> None:
-        self.kind = kind
-        self.model = model
-        self.stream = stream
-        self.include_usage = include_usage
-        self.max_tokens = max_tokens
-        self.body = body
-        self.request_id = request_id
-        self.session_key = session_key
-        self._prompt: str | None = None
+    kind: Kind
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    body: dict[str, Any]
+    request_id: str
+    session_key: str | None
+    _prompt: str | None = field(default=None, init=False, repr=False)   # rendered once, when a policy asks
 
     @property
     def path(self) -> str:

@@ -91,3 +91,18 @@ def test_bad_frames():
         decode_frame(msgpack.packb(["nope", {}]))
     with pytest.raises(ProtocolError):
         decode_frame(msgpack.packb(["release", {"transfer_id": 1, "tp_rank": 0}]))
+
+
+@pytest.mark.parametrize("ids,bad_at", [([1, 2, True], "src_block_ids[2]"), ([1, "2"], "src_block_ids[1]"),
+                                        ([1.0], "src_block_ids[0]"), ([None], "src_block_ids[0]")])
+def test_a_scalar_array_is_checked_element_by_element(ids, bad_at):
+    """The codec's fast path for arrays of scalars (one type set, no call per element) refuses what the
+    element check refuses, and the error names the element."""
+    from contract.protocol import ConsumerRank, WriteRequest
+
+    base = WriteRequest("r", "t", (1,), (2,), (ConsumerRank(0, "s", 0, 1),), "h", 1, 7).encode()
+    ok = WriteRequest.decode({**base, "src_block_ids": [3, 4, 5]})
+    assert ok.src_block_ids == (3, 4, 5) and type(ok.src_block_ids) is tuple
+    with pytest.raises(ProtocolError) as e:
+        WriteRequest.decode({**base, "src_block_ids": ids})
+    assert e.value.param == bad_at
