@@ -6,6 +6,11 @@ same weights and device, side by side in one run; on a GPU also against the floo
         --prompt-len 512 --new-tokens 128                      # the H200 run in docs/benchmarks.md
     .venv/bin/python bench/engine.py --ranks 2 [--compare DIR]  # the rank control plane per step
 
+Reference (on by default on a GPU, `--reference` on the CPU): `bench/static_decode.py`, a
+gpt-fast-style static-cache decode loop of the same weights (compiled, one CUDA graph per step on a
+GPU), timed in the same process; each row gives the engine's decode ratio to it and, on a GPU, the
+reference's and the engine's share of the floor.
+
 `--ranks N`: what a step costs on a multi-process engine (TP=N decode, PP=N prefill pipeline) at
 batch 1, where the per-step control messages to the other ranks weigh most; with `--compare DIR`
 (a worktree of another commit) the same measurement of that tree, in the same run, rounds
@@ -35,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.static_decode import StaticLlama  # noqa: E402
 from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -187,12 +193,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--out", help="results JSON (default bench/results/engine-<time>.json)")
+    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                    help="time the static-cache compiled reference too (default: on a GPU)")
     ap.add_argument("--ranks", type=int, help="measure the rank control plane per step (TP=N and PP=N, CPU)")
     ap.add_argument("--compare", help="with --ranks: another tree (a worktree) measured in the same run")
     ap.add_argument("--rounds", type=int, default=3, help="with --ranks: alternating rounds per tree")
     a = ap.parse_args()
     if a.ranks:
         return rank_steps(a)
+    if a.reference is None:
+        a.reference = a.device.startswith("cuda")
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -226,6 +236,16 @@ def main() -> None:
         line = (f"batch {b:3}: prefill engine {r['engine_prefill_tok_s']:8} tok/s  hf {r['hf_prefill_tok_s']:8} tok/s "
                 f"(x{r['prefill_ratio']})   decode engine {r['engine_decode_tok_s']:6} tok/s  hf {r['hf_decode_tok_s']:6} "
                 f"tok/s (x{r['decode_ratio']})")
+        if a.reference:
+            ref = StaticLlama(hf, b, a.prompt_len + a.new_tokens)
+            if a.device.startswith("cuda"):
+                ref.compile()
+            ids = torch.tensor(prompts, device=a.device)
+            ref.generate(ids, 4)   # warm-up: compile and capture for this batch size
+            _, _, rd = ref.generate(ids, a.new_tokens)
+            r |= {"ref_decode_tok_s": round(b * steps / rd), "engine_vs_ref": round(ed and rd / ed, 3)}
+            line += f"\n           reference decode {r['ref_decode_tok_s']} tok/s: engine x{r['engine_vs_ref']} of it"
+            del ref
         if ceil:
             ctx = a.prompt_len + a.new_tokens / 2  # mean context over the decode steps
             step_floor = (weight_bytes + b * ctx * kv_per_token) / ceil["bandwidth_Bps"]
@@ -234,6 +254,9 @@ def main() -> None:
                   "decode_floor_tok_s": round(b / step_floor), "decode_vs_floor": round(step_floor / (ed / steps), 3),
                   "prefill_ms": round(ep * 1e3, 2), "prefill_floor_ms": round(prefill_floor * 1e3, 3),
                   "prefill_vs_floor": round(prefill_floor / ep, 3)}
+            if a.reference:
+                r["ref_vs_floor"] = round(step_floor / (rd / steps), 3)
+                line += f" (reference at {r['ref_vs_floor']:.0%} of the floor's speed)"
             line += (f"\n           decode step {r['decode_step_ms']} ms vs floor {r['decode_step_floor_ms']} ms "
                      f"({r['decode_vs_floor']:.0%} of the floor's speed); prefill {r['prefill_ms']} ms vs floor "
                      f"{r['prefill_floor_ms']} ms ({r['prefill_vs_floor']:.0%})")
