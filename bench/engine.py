@@ -229,7 +229,7 @@ def main() -> None:
         ep, ed = engine_run(eng, prompts, a.new_tokens)
         hp, hd = hf_run(hf, prompts, a.new_tokens, a.device)
         steps = a.new_tokens - 1
-        r = {"batch": b, "engine_prefill_tok_s": round(b * a.prompt_len / ep), "hf_prefill_tok_s": round(b * a.prompt_len / hp),
+        r = {"batch": b, "graph_replays": eng.graphs.replays if eng.graphs is not None else 0, "engine_prefill_tok_s": round(b * a.prompt_len / ep), "hf_prefill_tok_s": round(b * a.prompt_len / hp),
              "engine_decode_tok_s": round(b * steps / ed), "hf_decode_tok_s": round(b * steps / hd)}
         r["prefill_ratio"] = round(r["engine_prefill_tok_s"] / r["hf_prefill_tok_s"], 3)
         r["decode_ratio"] = round(r["engine_decode_tok_s"] / r["hf_decode_tok_s"], 3)

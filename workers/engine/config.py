@@ -118,14 +118,23 @@ class EngineConfig:
     max_batch_tokens: int = 512      # per-step token budget (chunked prefill)
     dtype: str = "float32"
     device: str = "cpu"
+    # decode steps as CUDA graphs (workers.engine.graphs): "auto" on a GPU for a whole model on one
+    # rank; "eager" runs the same buffers without capture (the CPU tests of its bookkeeping); "off"
+    graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.graphs not in ("auto", "eager", "off"):
+            raise ValueError("graphs must be auto, eager or off")
         if self.block_size < 1 or self.num_blocks < 1 or self.max_num_seqs < 1 or self.max_batch_tokens < 1:
             raise ValueError("block_size, num_blocks, max_num_seqs and max_batch_tokens must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
 
     @property
     def torch_dtype(self) -> torch.dtype:

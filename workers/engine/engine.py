@@ -17,6 +17,7 @@ import torch
 from workers.engine import tokenizer as tok
 from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
+from workers.engine.graphs import DecodeGraphs
 from workers.engine.kv_cache import BlockManager, KVPool
 from workers.engine.model import ForwardBatch, LlamaStage, SeqSlice
 from workers.engine.sampling import Logprob, SamplingParams, logprob_of, sample
@@ -73,11 +74,19 @@ class Engine:
         self.tokenizer = tok.load(checkpoint, mc.bos_token_id, mc.eos_token_id)
         self.model: LlamaStage | None = None
         self.pool: KVPool | None = None
+        self.graphs: DecodeGraphs | None = None
+        # decode steps as CUDA graphs: a whole model on this rank, its forward local
+        graphs = build_model and forward is None and all_reduce is None and par.first and par.last \
+            and par.tp_size == 1 and (cfg.graphs == "eager" or (cfg.graphs == "auto" and cfg.on_gpu))
         if build_model:
             weights = load_weights(checkpoint, mc, par, cfg.torch_dtype, cfg.device)
             self.model = LlamaStage(mc, par, weights, all_reduce)
-            self.pool = KVPool(len(self.model.layer_ids), cfg.num_blocks, self.model.kv_heads, cfg.block_size,
-                               mc.head_dim, cfg.torch_dtype, cfg.device)
+            # with graphs, one scratch block past the last (padding rows write there; never handed out)
+            self.pool = KVPool(len(self.model.layer_ids), cfg.num_blocks + int(graphs), self.model.kv_heads,
+                               cfg.block_size, mc.head_dim, cfg.torch_dtype, cfg.device)
+            if graphs:
+                self.graphs = DecodeGraphs(self.model, self.pool, cfg.num_blocks, cfg.max_num_seqs, cfg.device,
+                                           capture=cfg.graphs == "auto")
         self.blocks = BlockManager(cfg.num_blocks)
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens)
         self._forward = forward or self._local_forward
@@ -163,6 +172,8 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return out
+        if self.graphs is not None and self.graphs.eligible(work):
+            return out + self._apply(work, self.graphs.run(work))
         batch, ids = build_batch(work, self.cfg.block_size)
         return out + self._apply(work, self._forward(batch, ids))
 

@@ -57,9 +57,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rotary:
     def __init__(self, head_dim: int, theta: float) -> None:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self._on: dict[torch.device, torch.Tensor] = {}   # a copy per device, made once (not per step:
+        #                                                   a CUDA graph cannot capture the copy)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)   # [T, hd/2]
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * inv   # [T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)                          # [T, hd] each
 
@@ -127,6 +132,31 @@ class LlamaStage:
         assert self.norm is not None and self.lm_head is not None   # the last stage holds both
         x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
         return F.linear(x, self.lm_head)
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+               lens: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """One decode step of B sequences, every input a device tensor of fixed shape (so that it can
+        be captured as a CUDA graph, `workers.engine.graphs`): ids, positions, slots, lens [B], block
+        tables [B, nb]. Logits [B, vocab]. A whole model on one rank (first and last stage, TP 1)."""
+        assert self.embed is not None and self.norm is not None and self.lm_head is not None
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.rotary(positions, x.dtype)
+        span = table.shape[1] * pool.block_size
+        mask = (torch.arange(span, device=ids.device)[None, :] < lens[:, None])[:, None, None, :]
+        dm = DecodeMeta([], torch.arange(ids.shape[0], device=ids.device), table, mask)
+        B, hd = ids.shape[0], self.cfg.head_dim
+        for li, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.ln1, self.cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv)
+            nqk = layer.nq + layer.nkv
+            qk = qkv[:, :nqk].view(B, self.heads + self.kv_heads, hd)
+            qk = qk * cos[:, None, :] + rotate_half(qk) * sin[:, None, :]
+            pool.write(li, slots, qk[:, self.heads:], qkv[:, nqk:].view(B, self.kv_heads, hd))
+            x = x + self.all_reduce(F.linear(self._decode_attention(li, qk[:, :self.heads], dm, pool), layer.o))
+            gate, up = F.linear(rms_norm(x, layer.ln2, self.cfg.rms_norm_eps), layer.gate_up).chunk(2, -1)
+            x = x + self.all_reduce(F.linear(F.silu(gate) * up, layer.down))
+        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
 
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
                    cos: torch.Tensor, sin: torch.Tensor, dm: "DecodeMeta | None") -> torch.Tensor:

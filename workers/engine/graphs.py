@@ -1,0 +1,118 @@
+"""Decode steps as CUDA graphs (issue 19): on a GPU, a step of B single-token sequences is hundreds
+of small kernels whose launch costs the host more than the GPU spends on them. Captured once per
+(batch bucket, table width) over fixed device buffers and replayed, a step costs the host one
+buffer upload and one replay.
+
+- Buckets: B rounds up to 1, 2, 4, 8, 16, 32, ... (up to the engine's `max_num_seqs`); the block
+  table's width (the longest sequence's blocks) to 1, 2, 4, 8, then multiples of 8 (attention
+  reads the table's width: little padding, and a new shape only every 8 blocks of context). A graph is captured the
+  first time its shape is needed, the largest first sharing one memory pool.
+- Inputs: one flat int64 device buffer per shape: ids, positions, slots, context lengths [B] and
+  block tables [B, nb], filled from one host tensor per step (the graph reads views of it).
+- Padding rows of a bucket write their KV into a scratch block past the pool's last block (the
+  block manager never hands it out) and attend to it alone.
+- Which engines: a whole model on one rank (monolithic, TP 1 decode, PP 1) on CUDA. Elsewhere, and
+  on the CPU, the same buffers and the same `LlamaStage.decode` run eagerly (`capture=False`): the
+  bookkeeping is tested on the CPU, the capture on the GPU (bench/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workers.engine.kv_cache import KVPool
+from workers.engine.model import LlamaStage
+from workers.engine.scheduler import Work
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def table_width(blocks: int) -> int:
+    return _pow2(blocks) if blocks <= 8 else -(-blocks // 8) * 8
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaStage, pool: KVPool, scratch_block: int, max_batch: int, device: str,
+                 capture: bool) -> None:
+        self.model, self.pool, self.scratch = model, pool, scratch_block
+        self.bs = pool.block_size
+        self.max_batch = max_batch
+        self.device = device
+        self.capture = capture
+        self.buckets = sorted({min(_pow2(b), max_batch) for b in range(1, max_batch + 1)})
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._mempool: Any = None
+        self.replays = 0
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} sequences exceed the largest bucket {self.buckets[-1]}")
+
+    def eligible(self, work: list[Work]) -> bool:
+        """A pure decode step the graphs can run: every member one token, sampled."""
+        return 0 < len(work) <= self.max_batch and all(w.n == 1 and w.want_logits for w in work)
+
+    def _views(self, buf: torch.Tensor, B: int, nb: int) -> tuple[torch.Tensor, ...]:
+        ids, pos, slots, lens = (buf[i * B:(i + 1) * B] for i in range(4))
+        return ids, pos, slots, lens, buf[4 * B:].view(B, nb)
+
+    def _fn(self, buf: torch.Tensor, B: int, nb: int) -> torch.Tensor:
+        ids, pos, slots, lens, table = self._views(buf, B, nb)
+        return self.model.decode(ids, pos, slots, table, lens, self.pool)
+
+    def _get(self, B: int, nb: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        key = (B, nb)
+        got = self._graphs.get(key)
+        if got is not None:
+            return got
+        buf = torch.zeros(4 * B + B * nb, dtype=torch.long, device=self.device)
+        buf[2 * B:3 * B] = self.scratch * self.bs          # until filled: every row a padding row
+        buf[3 * B:4 * B] = 1
+        buf[4 * B:] = self.scratch
+        if not self.capture:
+            got = (None, buf, torch.empty(0))
+        else:
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):     # warm-up off the graph: lazy inits, cuBLAS workspaces
+                    self._fn(buf, B, nb)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                out = self._fn(buf, B, nb)
+            got = (graph, buf, out)
+        self._graphs[key] = got
+        return got
+
+    def run(self, work: list[Work]) -> torch.Tensor:
+        """Logits [len(work), vocab] of a decode step (rows in `work`'s order)."""
+        n = len(work)
+        B = self.bucket(n)
+        nb = table_width(max(len(w.seq.blocks) for w in work))
+        bs, scratch = self.bs, self.scratch
+        ids, pos, slots, lens = [0] * B, [0] * B, [scratch * bs] * B, [1] * B
+        table = [scratch] * (B * nb)
+        for i, w in enumerate(work):
+            p = w.start
+            bl = w.seq.blocks
+            ids[i] = w.seq.tokens[p]
+            pos[i] = p
+            slots[i] = bl[p // bs] * bs + p % bs
+            lens[i] = p + 1
+            table[i * nb:i * nb + len(bl)] = bl
+        graph, buf, out = self._get(B, nb)
+        buf.copy_(torch.tensor(ids + pos + slots + lens + table, dtype=torch.long), non_blocking=True)
+        self.replays += 1
+        if graph is None:
+            return self._fn(buf, B, nb)[:n]
+        graph.replay()
+        return out[:n]
