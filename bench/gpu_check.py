@@ -66,6 +66,40 @@ def hf_reference(ckpt: Path, dtype: torch.dtype, device: str) -> list[tuple[torc
     return out
 
 
+def paged_kernel(device: str) -> None:
+    """The paged decode-attention kernel against a float64 gather + softmax on random pools, tables
+    and lengths (fresh inputs each case; the output poisoned first), fp32 and bf16, GQA groups 1-4."""
+    from workers.engine.paged import available, paged_decode, table_width
+
+    if not available(device):
+        report("paged decode kernel", False, why="Triton is not available here")
+        return
+    worst: dict[str, float] = {}
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for B, H, KVH, D, BS, NBLK in [(1, 16, 8, 128, 16, 64), (37, 32, 8, 128, 16, 2048), (64, 8, 8, 64, 4, 4096)]:
+            pool = torch.randn(NBLK, 2, KVH, BS, D, dtype=torch.float64, device=device)
+            lens = torch.randint(1, 40 * BS, (B,), device=device)
+            nb = table_width(int((lens.max() + BS - 1) // BS))
+            table = torch.stack([torch.randperm(NBLK, device=device)[:nb] for _ in range(B)])
+            q = torch.randn(B, H, D, dtype=torch.float64, device=device)
+            out = paged_decode(q.to(dt), pool.to(dt), table, lens, D ** -0.5).double()
+            err = 0.0
+            for b in range(B):
+                kv = pool.to(dt).double()[table[b]]
+                n = int(lens[b])
+                k = kv[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n].repeat_interleave(H // KVH, 0)
+                v = kv[:, 1].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n].repeat_interleave(H // KVH, 0)
+                qq = q[b].to(dt).double()
+                ref = ((qq[:, None, :] @ k.transpose(1, 2)).squeeze(1) * D ** -0.5).softmax(-1)[:, None, :] @ v
+                err = max(err, ((out[b] - ref.squeeze(1)).norm() / ref.norm()).item())
+            key = str(dt).removeprefix("torch.")
+            worst[key] = max(worst.get(key, 0.0), err)
+            if not err < tol or not torch.isfinite(out).all():
+                report("paged decode kernel", False, dtype=key, case=[B, H, KVH, D, BS], rel_err=f"{err:.2e}")
+                return
+    report("paged decode kernel vs float64 gather + softmax", True, **{f"{k}_rel_err": f"{v:.2e}" for k, v in worst.items()})
+
+
 def compare(name: str, engine: Engine, ref: list, exact: bool) -> None:
     engine.captured = {}
     outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=N, ignore_eos=True))
@@ -173,6 +207,7 @@ def main() -> None:
                                                  num_attention_heads=8, num_key_value_heads=4, head_dim=32), seed=3)
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     print(f"torch {torch.__version__} on {where}", flush=True)
+    paged_kernel(a.device)
     ref32 = hf_reference(ckpt, torch.float32, a.device)
     cfg32 = EngineConfig(dtype="float32", block_size=4, num_blocks=512, max_batch_tokens=32, device=a.device)
     compare("fp32 monolithic vs HF fp32", Engine(ckpt, cfg32), ref32, exact=True)

@@ -24,15 +24,12 @@ import torch
 
 from workers.engine.kv_cache import KVPool
 from workers.engine.model import LlamaStage
+from workers.engine.paged import table_width
 from workers.engine.scheduler import Work
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def table_width(blocks: int) -> int:
-    return _pow2(blocks) if blocks <= 8 else -(-blocks // 8) * 8
 
 
 class DecodeGraphs:

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from workers.engine import paged
 from workers.engine.config import ModelConfig, Parallel
 from workers.engine.kv_cache import KVPool
 
@@ -144,7 +145,7 @@ class LlamaStage:
         cos, sin = self.rotary(positions, x.dtype)
         span = table.shape[1] * pool.block_size
         mask = (torch.arange(span, device=ids.device)[None, :] < lens[:, None])[:, None, None, :]
-        dm = DecodeMeta([], torch.arange(ids.shape[0], device=ids.device), table, mask)
+        dm = DecodeMeta([], torch.arange(ids.shape[0], device=ids.device), table, mask, lens)
         B, hd = ids.shape[0], self.cfg.head_dim
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.ln1, self.cfg.rms_norm_eps)
@@ -198,10 +199,13 @@ class LlamaStage:
         return self.all_reduce(F.linear(attn, layer.o))
 
     def _decode_attention(self, li: int, q: torch.Tensor, dm: "DecodeMeta", pool: KVPool) -> torch.Tensor:
-        """Single-token queries of B sequences against their padded contexts, in one SDPA call
-        (KV heads shared by query groups without copies); [B, heads * head_dim]."""
+        """Single-token queries of B sequences against their contexts; [B, heads * head_dim]. On a
+        GPU the Triton kernel reads the paged KV in place (`workers.engine.paged`); elsewhere the
+        blocks are gathered into padded tensors for one SDPA call."""
         bs, hd = pool.block_size, self.cfg.head_dim
         B, nb = dm.table.shape
+        if paged.available(q.device):
+            return paged.paged_decode(q[dm.rows], pool.layers[li], dm.table, dm.lens, self.scale).view(B, -1)
         kv = pool.layers[li][dm.table]                                   # [B, nb, 2, KVH, bs, hd]
         k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, self.kv_heads, nb * bs, hd)
         v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, self.kv_heads, nb * bs, hd)
@@ -218,6 +222,7 @@ class DecodeMeta:
     rows: torch.Tensor         # [B] their token rows
     table: torch.Tensor        # [B, max blocks] block tables, zero-padded
     mask: torch.Tensor         # [B, 1, 1, max blocks * block_size] context positions to attend
+    lens: torch.Tensor         # [B] context lengths (the paged kernel's bound)
 
 
 def _decode_meta(batch: ForwardBatch, block_size: int, device: torch.device) -> DecodeMeta | None:
@@ -231,7 +236,8 @@ def _decode_meta(batch: ForwardBatch, block_size: int, device: torch.device) -> 
     if not idx:
         return None
     table = torch.nn.utils.rnn.pad_sequence([batch.slices[i].block_table for i in idx], batch_first=True)
+    table = F.pad(table, (0, paged.table_width(table.shape[1]) - table.shape[1]))   # bucketed width
     lens = torch.tensor(ctx).to(device, non_blocking=True)
     span = table.shape[1] * block_size
     mask = (torch.arange(span, device=device)[None, :] < lens[:, None])[:, None, None, :]
-    return DecodeMeta(idx, torch.tensor(rows).to(device, non_blocking=True), table, mask)
+    return DecodeMeta(idx, torch.tensor(rows).to(device, non_blocking=True), table, mask, lens)
