@@ -1,7 +1,7 @@
 """The paged decode-attention kernel (workers/engine/paged.py, Triton) checked on the CPU under
 Triton's interpreter, in a process of its own (the interpreter is chosen when the kernel is
 defined): against a float64 gather + softmax on random pools, tables and lengths, GQA groups of
-1, 2 and 3 (padded to 4); and a whole engine decoding through it equals HF `transformers`. On a
+1, 2 and 3 (padded to 4), contexts of one position to many splits; and a whole engine decoding through it equals HF `transformers`. On a
 GPU the same kernel runs compiled (bench/gpu_check.py)."""
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ import torch
 from workers.engine.paged import available, paged_decode, table_width
 assert available("cpu")
 g = torch.Generator().manual_seed(1)
-for B, H, KVH, D, BS, NBLK in [(3, 4, 2, 16, 4, 20), (2, 6, 2, 32, 16, 12), (4, 8, 8, 16, 8, 9)]:
+# contexts from one position to several splits of blocks (splits with nothing live included)
+for B, H, KVH, D, BS, NBLK, top in [(3, 4, 2, 16, 4, 40, 12), (2, 6, 2, 32, 16, 40, 3), (4, 8, 8, 16, 8, 40, 30),
+                                    (3, 4, 2, 16, 4, 40, 0)]:
     pool = torch.randn(NBLK, 2, KVH, BS, D, dtype=torch.float64, generator=g)
-    lens = torch.randint(1, 3 * BS, (B,), generator=g)
+    lens = torch.randint(1, top * BS, (B,), generator=g) if top else torch.ones(B, dtype=torch.long)
+    if top:
+        lens[0] = top * BS   # the longest context: the table's whole width
     nb = table_width(int((lens.max() + BS - 1) // BS))
     table = torch.stack([torch.randperm(NBLK, generator=g)[:nb] for _ in range(B)])
     q = torch.randn(B, H, D, dtype=torch.float64, generator=g)

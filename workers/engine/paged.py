@@ -1,8 +1,11 @@
-"""Decode attention that reads the paged KV in place (issue 19): one Triton program per (sequence,
-KV head) walks the sequence's block table, one block of `block_size` positions at a time, with an
-online softmax in float32, for the query heads that share the KV head (GQA without copies). No
-gather of the blocks into padded tensors, no per-step host work: the block table and the context
-lengths are device tensors, so the kernel sits inside the decode step's CUDA graph.
+"""Decode attention that reads the paged KV in place (issue 19), split over the context as flash
+decoding does: one Triton program per (sequence, KV head, split of `PER` blocks) walks its part of
+the block table, one block of `block_size` positions at a time, with an online softmax in float32,
+for the query heads that share the KV head (GQA without copies), and leaves its partial (max, sum,
+weighted values); a few tensor ops merge the splits. No gather of the blocks into padded tensors,
+no per-step host work: the block table and the context lengths are device tensors, so the kernel
+sits inside the decode step's CUDA graph. The splits keep the GPU busy at batch 1 (a program per
+KV head alone would leave most multiprocessors idle while each walks the whole context).
 
 Used on CUDA when Triton is there (`available()`); elsewhere the model's gather + SDPA path runs.
 On the CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`) in the tests that
@@ -37,11 +40,14 @@ def available(device: torch.device | str) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_decode(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, scale,
-                      s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb, s_ob, s_oh,
-                      G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
+    def _paged_decode(q_ptr, kv_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                      s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb,
+                      G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                      PER: tl.constexpr, S: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
+        sp = tl.program_id(2)
+        KVH = tl.num_programs(1)
         n = tl.load(lens_ptr + b)
         g = tl.arange(0, GP)
         gmask = g < G
@@ -52,24 +58,29 @@ if triton is not None:
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for i in range(0, NB):   # the table's width (bucketed: few compiles); positions past the context
-            #                        are masked, not read
-            blk = tl.load(table_ptr + b * s_tb + i).to(tl.int64)
+        for j in range(0, PER):   # this split's blocks; positions past the context are masked, not read
+            i = sp * PER + j
+            blk = tl.load(table_ptr + b * s_tb + i, mask=i < NB, other=0).to(tl.int64)
             base = kv_ptr + blk * s_blk + kh * s_kh
-            live = (i * BS + s) < n                                                      # [BS]
+            live = ((i * BS + s) < n) & (i < NB)                                         # [BS]
             k = tl.load(base + s[:, None] * s_pos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             v = tl.load(base + s_kv + s[:, None] * s_pos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale                        # [GP, BS]
             sc = tl.where(live[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m - m_new)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a split with nothing live: p = 0, not nan
+            p = tl.exp(sc - m_ref[:, None])
+            alpha = tl.exp(m - m_ref)
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
             m = m_new
-        o = acc / l[:, None]
-        tl.store(out_ptr + b * s_ob + (kh * G + g)[:, None] * s_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        row = (b * KVH + kh) * GP + g                                                    # [GP]
+        tl.store(m_ptr + row * S + sp, m)
+        tl.store(l_ptr + row * S + sp, l)
+        tl.store(acc_ptr + (row * S + sp)[:, None] * D + d[None, :], acc)
+
+
+PER = 4   # blocks per split
 
 
 def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
@@ -80,9 +91,17 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     _, two, KVH, BS, D2 = pool_layer.shape
     assert two == 2 and D2 == D and H % KVH == 0 and pool_layer.stride(-1) == 1 and q.stride(-1) == 1
     G = H // KVH
-    out = torch.empty_like(q)
-    _paged_decode[(B, KVH)](q, pool_layer, table, lens, out, scale,
-                            q.stride(0), q.stride(1), pool_layer.stride(0), pool_layer.stride(1),
-                            pool_layer.stride(2), pool_layer.stride(3), table.stride(0), out.stride(0), out.stride(1),
-                            G=G, GP=triton.next_power_of_2(G), BS=BS, D=D, NB=table.shape[1])
-    return out
+    GP = triton.next_power_of_2(G)
+    nb = table.shape[1]
+    S = -(-nb // PER)
+    m = torch.empty(B, KVH, GP, S, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, KVH, GP, S, D, dtype=torch.float32, device=q.device)
+    _paged_decode[(B, KVH, S)](q, pool_layer, table, lens, m, l, acc, scale,
+                               q.stride(0), q.stride(1), pool_layer.stride(0), pool_layer.stride(1),
+                               pool_layer.stride(2), pool_layer.stride(3), table.stride(0),
+                               G=G, GP=GP, BS=BS, D=D, NB=nb, PER=PER, S=S)
+    mx = m.amax(-1, keepdim=True)                  # split 0 always holds position 0: finite
+    w = torch.exp(m - mx)
+    out = (acc * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]   # [B, KVH, GP, D]
+    return out[:, :, :G].reshape(B, H, D).to(q.dtype)
