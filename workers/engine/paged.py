@@ -1,6 +1,7 @@
 """Decode attention that reads the paged KV in place (issue 19), split over the context as flash
 decoding does: one Triton program per (sequence, KV head, split of `PER` blocks) walks its part of
-the block table, one block of `block_size` positions at a time, with an online softmax in float32,
+the block table, one block of `block_size` positions at a time, with an online softmax in float32
+(scores and values through the matrix units: bf16 in, fp32 out; float32 pools in full fp32),
 for the query heads that share the KV head (GQA without copies), and leaves its partial (max, sum,
 weighted values); a few tensor ops merge the splits. No gather of the blocks into padded tensors,
 no per-step host work: the block table and the context lengths are device tensors, so the kernel
@@ -43,7 +44,7 @@ if triton is not None:
     def _paged_decode(q_ptr, kv_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
                       s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb,
                       G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                      PER: tl.constexpr, S: tl.constexpr):
+                      PER: tl.constexpr, S: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -54,7 +55,7 @@ if triton is not None:
         d = tl.arange(0, D)
         s = tl.arange(0, BS)
         q = tl.load(q_ptr + b * s_qb + (kh * G + g)[:, None] * s_qh + d[None, :], mask=gmask[:, None],
-                    other=0.0).to(tl.float32)                                   # [GP, D]
+                    other=0.0)                                                  # [GP, D] (GP >= 16: tl.dot)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -63,16 +64,28 @@ if triton is not None:
             blk = tl.load(table_ptr + b * s_tb + i, mask=i < NB, other=0).to(tl.int64)
             base = kv_ptr + blk * s_blk + kh * s_kh
             live = ((i * BS + s) < n) & (i < NB)                                         # [BS]
-            k = tl.load(base + s[:, None] * s_pos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            v = tl.load(base + s_kv + s[:, None] * s_pos + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale                        # [GP, BS]
+            k = tl.load(base + s[:, None] * s_pos + d[None, :], mask=live[:, None], other=0.0)   # [BS, D]
+            v = tl.load(base + s_kv + s[:, None] * s_pos + d[None, :], mask=live[:, None], other=0.0)
+            # the matrix units: bf16 in, fp32 out; float32 pools in full fp32 (EXACT), never tf32;
+            # blocks under 16 positions (tl.dot's least size): products and sums in fp32
+            if not DOT:
+                sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale
+            elif EXACT:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                # [GP, BS]
+            else:
+                sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(live[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a split with nothing live: p = 0, not nan
             p = tl.exp(sc - m_ref[:, None])
             alpha = tl.exp(m - m_ref)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+            if not DOT:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            elif EXACT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         row = (b * KVH + kh) * GP + g                                                    # [GP]
         tl.store(m_ptr + row * S + sp, m)
@@ -91,7 +104,8 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     _, two, KVH, BS, D2 = pool_layer.shape
     assert two == 2 and D2 == D and H % KVH == 0 and pool_layer.stride(-1) == 1 and q.stride(-1) == 1
     G = H // KVH
-    GP = triton.next_power_of_2(G)
+    dot = BS >= 16 and D >= 16
+    GP = max(16 if dot else 1, triton.next_power_of_2(G))   # a KV head's query rows (to tl.dot's least M)
     nb = table.shape[1]
     S = -(-nb // PER)
     m = torch.empty(B, KVH, GP, S, dtype=torch.float32, device=q.device)
@@ -100,7 +114,7 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     _paged_decode[(B, KVH, S)](q, pool_layer, table, lens, m, l, acc, scale,
                                q.stride(0), q.stride(1), pool_layer.stride(0), pool_layer.stride(1),
                                pool_layer.stride(2), pool_layer.stride(3), table.stride(0),
-                               G=G, GP=GP, BS=BS, D=D, NB=nb, PER=PER, S=S)
+                               G=G, GP=GP, BS=BS, D=D, NB=nb, PER=PER, S=S, EXACT=q.dtype == torch.float32, DOT=dot)
     mx = m.amax(-1, keepdim=True)                  # split 0 always holds position 0: finite
     w = torch.exp(m - mx)
     out = (acc * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]   # [B, KVH, GP, D]
