@@ -5,6 +5,7 @@ same weights and device, side by side in one run; on a GPU also against the floo
     python3 bench/engine.py --device cuda --dtype bfloat16 --size large --batches 1,8,32,64 \
         --prompt-len 512 --new-tokens 128                      # the H200 run in docs/benchmarks.md
     .venv/bin/python bench/engine.py --ranks 2 [--compare DIR]  # the rank control plane per step
+    ... --profile                                              # + each batch's top kernels per decode step
 
 Reference (on by default on a GPU, `--reference` on the CPU): `bench/static_decode.py`, a
 gpt-fast-style static-cache decode loop of the same weights (compiled, one CUDA graph per step on a
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,6 +150,33 @@ print(json.dumps(out))
 """
 
 
+def profile_decode(eng: Engine, prompts: list[list[int]], device: str, steps: int = 10) -> list[dict[str, Any]]:
+    """Where a decode step's time goes: `steps` steps of the batch under torch.profiler, the
+    kernels (GPU) or ops (CPU) by self time per step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sp = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add(f"p{i}", p, sp)
+    while any(not s.output for s in eng.seqs.values()):   # through the prefill first
+        eng.step()
+    eng.step()   # a decode step outside the profile (a graph for this shape is captured here)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync(device)
+    while eng.scheduler.has_work():
+        eng.step()
+    gpu = device.startswith("cuda")
+    rows = []
+    for e in prof.key_averages():
+        t = (e.self_device_time_total if gpu else e.self_cpu_time_total) / 1e3 / steps
+        if t > 0:
+            rows.append({"name": e.key, "self_ms_per_step": round(t, 4), "calls_per_step": e.count / steps})
+    return sorted(rows, key=lambda x: -x["self_ms_per_step"])[:40]
+
+
 def rank_steps(a: argparse.Namespace) -> None:
     """`--ranks N`: ms per decode step at batch 1 of TP=N and PP=N engines, this tree and `--compare`."""
     import statistics
@@ -198,6 +227,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, help="measure the rank control plane per step (TP=N and PP=N, CPU)")
     ap.add_argument("--compare", help="with --ranks: another tree (a worktree) measured in the same run")
     ap.add_argument("--rounds", type=int, default=3, help="with --ranks: alternating rounds per tree")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each batch's timed run, profile 10 decode steps (torch.profiler): the top kernels")
     a = ap.parse_args()
     if a.ranks:
         return rank_steps(a)
@@ -262,6 +293,10 @@ def main() -> None:
                      f"{r['prefill_floor_ms']} ms ({r['prefill_vs_floor']:.0%})")
         rows.append(r)
         print(line, flush=True)
+        if a.profile:
+            r["profile"] = profile_decode(eng, prompts, a.device)
+            for k in r["profile"][:12]:
+                print(f"           {k['self_ms_per_step']:8.3f} ms/step  {k['calls_per_step']:6.1f} calls  {k['name'][:90]}")
         del eng
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
