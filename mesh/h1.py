@@ -37,6 +37,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.resp: H1Response | None = None
+        self.idle_since = 0.0   # when it went back to the pool
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (type: ignore below) asyncio types a Protocol's transport as BaseTransport; a stream connection's is a Transport
@@ -307,10 +308,20 @@ class H1Response:
             self._conn.abort()
 
 
+# under the shortest keep-alive timeout of the servers the mesh talks to (uvicorn's 5 s: vLLM, SGLang)
+IDLE_S = 4.0
+
+
 class H1Pool:
-    def __init__(self, *, connect_timeout: float = 3.0, max_idle_per_host: int = 512) -> None:
+    """`idle_s`: a connection idle longer than this is not reused but closed. Servers close idle
+    keep-alive connections on their own clock (uvicorn, so vLLM and SGLang: 5 s); a request sent on
+    one the server is closing at that instant dies with a reset, whatever it was. Staying under the
+    shortest such timeout, the mesh never sends on a connection the server may be closing."""
+
+    def __init__(self, *, connect_timeout: float = 3.0, max_idle_per_host: int = 512, idle_s: float = IDLE_S) -> None:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle_per_host
+        self.idle_s = idle_s
         self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
         self._ssl: _ssl.SSLContext | None = None
         self._all: set[_Conn] = set()
@@ -318,11 +329,16 @@ class H1Pool:
     async def _get(self, host: str, port: int, tls: bool) -> _Conn:
         key = (host, port, tls)
         idle = self._idle.get(key)
-        while idle:
-            c = idle.pop()
-            if not c.closed and c.transport is not None and not c.transport.is_closing():
-                return c
         loop = asyncio.get_running_loop()
+        if idle:
+            stale = loop.time() - self.idle_s
+            while idle:
+                c = idle.pop()
+                if c.idle_since < stale:   # idle too long (and so is every older one): close it
+                    c.abort()
+                    continue
+                if not c.closed and c.transport is not None and not c.transport.is_closing():
+                    return c
         if tls and self._ssl is None:
             self._ssl = _ssl.create_default_context()
         conn = _Conn(self, key)
@@ -332,6 +348,7 @@ class H1Pool:
         return conn
 
     def _put(self, conn: _Conn) -> None:
+        conn.idle_since = asyncio.get_running_loop().time()
         lst = self._idle.setdefault(conn.key, [])
         if len(lst) < self.max_idle:
             lst.append(conn)

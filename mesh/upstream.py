@@ -29,7 +29,7 @@ from contract.snapshot import Worker
 from mesh.config import Timeouts
 from mesh.fleet import Fleet
 from mesh.flows import Bootstrap, bootstrap_addr, parse_bootstrap
-from mesh.h1 import H1Error, H1Pool, H1Response
+from mesh.h1 import IDLE_S, H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -180,7 +180,8 @@ class Upstream:
         return self._session
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        # idle connections closed before a server's own keep-alive can close them under a request (h1.IDLE_S)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=IDLE_S)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               json_serialize=lambda o: orjson.dumps(o).decode())
 

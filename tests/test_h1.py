@@ -161,3 +161,22 @@ def test_split_url():
     assert split_url("http://h:81/a/b") == ("h", 81, False, "/a/b")
     assert split_url("https://h") == ("h", 443, True, "")
     assert split_url("http://[::1]:9") == ("::1", 9, False, "")
+
+
+async def test_a_connection_idle_past_idle_s_is_closed_not_reused():
+    """Servers close idle keep-alive connections on their own clock (uvicorn: 5 s); the pool never
+    sends on one idle longer than `idle_s`, so a request never meets the server's close."""
+    server, port, conns = await raw_server(lambda req: [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"])
+    pool = H1Pool(connect_timeout=2, idle_s=0.2)
+    try:
+        async with server:
+            for _ in range(2):   # back to back: one connection, reused
+                assert await (await pool.post("127.0.0.1", port, "/x", b"{}", {})).read() == b"ok"
+            assert len(conns) == 1
+            await asyncio.sleep(0.3)   # idle past idle_s: closed at the next use, a new one opened
+            assert await (await pool.post("127.0.0.1", port, "/x", b"{}", {})).read() == b"ok"
+            assert len(conns) == 2
+            await asyncio.sleep(0.05)
+            assert conns[0].is_closing()   # the stale one was closed, not left open
+    finally:
+        await pool.close()
