@@ -129,12 +129,15 @@ class Enrollment:
         if not self.url:
             return True
         end = time.monotonic() + deadline
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
             while time.monotonic() < end:
                 try:
                     busy = await self._busy(s)
-                except (aiohttp.ClientConnectionError, TimeoutError):
-                    return True  # the worker is gone: nothing left to wait for
+                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError):
+                    return True  # nothing listens there any more: the worker is gone, nothing to wait for
+                except (aiohttp.ClientError, TimeoutError):
+                    busy = None  # a slow or broken answer is no sign of idleness (a busy CPU engine
+                    #              can take seconds to answer): keep waiting, up to the deadline
                 if busy == 0:
                     return True
                 await asyncio.sleep(0.2)
