@@ -97,7 +97,25 @@ def paged_kernel(device: str) -> None:
             if not err < tol or not torch.isfinite(out).all():
                 report("paged decode kernel", False, dtype=key, case=[B, H, KVH, D, BS], rel_err=f"{err:.2e}")
                 return
-    report("paged decode kernel vs float64 gather + softmax", True, **{f"{k}_rel_err": f"{v:.2e}" for k, v in worst.items()})
+    report("paged decode kernel vs float64 gather + softmax", True,
+           **{f"{k}_rel_err": f"{v:.2e}" for k, v in worst.items()})
+
+
+def fused_kernels(device: str) -> None:
+    """The fused element-wise kernels against the eager code they replace, fp32 and bf16."""
+    from bench.kernel_checks import fused_vs_eager
+    from workers.engine.fused import usable
+
+    if not usable(device, 128):
+        report("fused kernels", False, why="Triton is not available here")
+        return
+    try:
+        worst = fused_vs_eager(device, (torch.float32, torch.bfloat16))
+    except AssertionError as e:
+        report("fused kernels vs eager", False, why=str(e))
+        return
+    report("fused kernels vs eager (norm, rotary + pool write, SiLU)", True,
+           **{k: f"{v:.2e}" for k, v in worst.items()})
 
 
 def compare(name: str, engine: Engine, ref: list, exact: bool) -> None:
@@ -208,6 +226,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     print(f"torch {torch.__version__} on {where}", flush=True)
     paged_kernel(a.device)
+    fused_kernels(a.device)
     ref32 = hf_reference(ckpt, torch.float32, a.device)
     cfg32 = EngineConfig(dtype="float32", block_size=4, num_blocks=512, max_batch_tokens=32, device=a.device)
     compare("fp32 monolithic vs HF fp32", Engine(ckpt, cfg32), ref32, exact=True)

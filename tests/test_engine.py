@@ -283,3 +283,36 @@ def test_device_flag_lists_one_device_or_one_per_rank():
     assert devices("cuda:0,cuda:1", 2) == ("cuda:0", "cuda:1")
     with pytest.raises(ConfigError, match="one per stage/rank"):
         devices("cuda:0,cuda:1", 4)
+
+
+def test_whole_prompts_of_one_length_share_one_attention_call(ckpt, monkeypatch):
+    """Prefill of several whole prompts of one length runs one batched causal attention per layer
+    (`LlamaStage._whole_prompts`); tokens and logits still equal HF's, prompt by prompt."""
+    from transformers import LlamaForCausalLM
+
+    import workers.engine.model as model
+
+    prompts = [b"abcdef", b"ghijkl", b"mnopqr", b"xy", b"stuvwx", b"0123456789"]
+    hf = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="sdpa").eval()
+    batched: list[int] = []
+    sdpa = model.F.scaled_dot_product_attention
+
+    def spy(q, *a, **kw):
+        if q.dim() == 4 and q.shape[2] > 1:   # [b, heads, n, hd]: batched prompts (one prompt's
+            batched.append(q.shape[0])          # call is 3-d; a decode step's has n = 1)
+        return sdpa(q, *a, **kw)
+
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", spy)
+    eng = Engine(ckpt, EngineConfig(dtype="float64", block_size=BLOCK, num_blocks=256, max_batch_tokens=256))
+    eng.captured = {}
+    outs = eng.generate([list(p) for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))
+    monkeypatch.setattr(model.F, "scaled_dot_product_attention", sdpa)
+    assert batched and set(batched) == {4}   # the four 6-byte prompts, in every layer's prefill
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([list(p)])
+            assert (eng.captured[f"gen-{i}"] - hf(ids).logits[0, -1]).abs().max().item() < 1e-9
+            want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               attention_mask=torch.ones_like(ids))[0, len(p):].tolist()
+            assert outs[i] == want, i
+    assert eng.blocks.free == eng.cfg.num_blocks

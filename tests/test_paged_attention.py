@@ -31,17 +31,18 @@ for B, H, KVH, D, BS, NBLK, top in [(3, 4, 2, 16, 4, 40, 12), (2, 6, 2, 32, 16, 
     nb = table_width(int((lens.max() + BS - 1) // BS))
     table = torch.stack([torch.randperm(NBLK, generator=g)[:nb] for _ in range(B)])
     q = torch.randn(B, H, D, dtype=torch.float64, generator=g)
-    out = paged_decode(q.float(), pool.float(), table, lens, D ** -0.5).double()
-    for b in range(B):
-        kv = pool[table[b]]
-        n = int(lens[b])
-        k = kv[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n]
-        v = kv[:, 1].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n]
-        for h in range(H):
-            kh = h // (H // KVH)
-            ref = (q[b, h] @ k[kh].T * D ** -0.5).softmax(-1) @ v[kh]
-            err = (out[b, h] - ref).abs().max().item()
-            assert err < 1e-5, (B, H, KVH, b, h, err)
+    for per in (None, 128):   # the default split (several, for these sizes), one split (no merge)
+        out = paged_decode(q.float(), pool.float(), table, lens, D ** -0.5, per=per).double()
+        for b in range(B):
+            kv = pool[table[b]]
+            n = int(lens[b])
+            k = kv[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n]
+            v = kv[:, 1].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n]
+            for h in range(H):
+                kh = h // (H // KVH)
+                ref = (q[b, h] @ k[kh].T * D ** -0.5).softmax(-1) @ v[kh]
+                err = (out[b, h] - ref).abs().max().item()
+                assert err < 1e-5, (B, H, KVH, b, h, per, err)
 print("kernel ok")
 """
 

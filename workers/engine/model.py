@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from workers.engine import paged
+from workers.engine import fused, paged
 from workers.engine.config import ModelConfig, Parallel
 from workers.engine.kv_cache import KVPool
 
@@ -118,11 +118,22 @@ class LlamaStage:
             x = hidden
         cos, sin = self.rotary(batch.positions, x.dtype)
         dm = _decode_meta(batch, pool.block_size, x.device)
-        for li, layer in enumerate(self.layers):
-            x = x + self._attention(li, layer, rms_norm(x, layer.ln1, self.cfg.rms_norm_eps), batch, pool, cos, sin, dm)
-            h = rms_norm(x, layer.ln2, self.cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
-            x = x + self.all_reduce(F.linear(F.silu(gate) * up, layer.down))
+        eps = self.cfg.rms_norm_eps
+        if fused.usable(x.device, self.cfg.head_dim):  # the same layers, element-wise runs fused (GPU)
+            delta: torch.Tensor | None = None
+            for li, layer in enumerate(self.layers):
+                x, h = fused.add_rms_norm(x, delta, layer.ln1, eps)
+                x, h = fused.add_rms_norm(x, self._attention(li, layer, h, batch, pool, cos, sin, dm, True),
+                                          layer.ln2, eps)
+                delta = self.all_reduce(F.linear(fused.silu_mul(F.linear(h, layer.gate_up)), layer.down))
+            if delta is not None:
+                x = x + delta
+        else:
+            for li, layer in enumerate(self.layers):
+                x = x + self._attention(li, layer, rms_norm(x, layer.ln1, eps), batch, pool, cos, sin, dm)
+                h = rms_norm(x, layer.ln2, eps)
+                gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
+                x = x + self.all_reduce(F.linear(F.silu(gate) * up, layer.down))
         if not self.par.last:
             return x
         rows, off = [], 0
@@ -131,7 +142,7 @@ class LlamaStage:
             if s.want_logits:
                 rows.append(off - 1)
         assert self.norm is not None and self.lm_head is not None   # the last stage holds both
-        x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
+        x = rms_norm(x[rows], self.norm, eps)
         return F.linear(x, self.lm_head)
 
     @torch.inference_mode()
@@ -143,10 +154,20 @@ class LlamaStage:
         assert self.embed is not None and self.norm is not None and self.lm_head is not None
         x = F.embedding(ids, self.embed)
         cos, sin = self.rotary(positions, x.dtype)
+        B, hd, eps = ids.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps
+        if fused.usable(ids.device, hd):  # ~10 kernels a layer, not ~40
+            delta: torch.Tensor | None = None
+            for li, layer in enumerate(self.layers):
+                x, h = fused.add_rms_norm(x, delta, layer.ln1, eps)
+                q = fused.rope_store(F.linear(h, layer.qkv), cos, sin, slots, pool.layers[li], self.heads,
+                                     self.kv_heads)
+                a = paged.paged_decode(q, pool.layers[li], table, lens, self.scale).view(B, -1)
+                x, h = fused.add_rms_norm(x, self.all_reduce(F.linear(a, layer.o)), layer.ln2, eps)
+                delta = self.all_reduce(F.linear(fused.silu_mul(F.linear(h, layer.gate_up)), layer.down))
+            return F.linear(fused.add_rms_norm(x, delta, self.norm, eps)[1], self.lm_head)
         span = table.shape[1] * pool.block_size
         mask = (torch.arange(span, device=ids.device)[None, :] < lens[:, None])[:, None, None, :]
         dm = DecodeMeta([], torch.arange(ids.shape[0], device=ids.device), table, mask, lens)
-        B, hd = ids.shape[0], self.cfg.head_dim
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.ln1, self.cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv)
@@ -160,15 +181,17 @@ class LlamaStage:
         return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
 
     def _attention(self, li: int, layer: Layer, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
-                   cos: torch.Tensor, sin: torch.Tensor, dm: "DecodeMeta | None") -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, dm: "DecodeMeta | None", fuse: bool = False) -> torch.Tensor:
         T, hd = h.shape[0], self.cfg.head_dim
         qkv = F.linear(h, layer.qkv)
-        nqk = layer.nq + layer.nkv
-        qk = qkv[:, :nqk].view(T, self.heads + self.kv_heads, hd)
-        qk = qk * cos[:, None, :] + rotate_half(qk) * sin[:, None, :]  # q and k rotated together
-        q, k = qk[:, :self.heads], qk[:, self.heads:]
-        v = qkv[:, nqk:].view(T, self.kv_heads, hd)
-        pool.write(li, batch.slots, k, v)
+        if fuse:  # rotary and the pool write in one kernel
+            q = fused.rope_store(qkv, cos, sin, batch.slots, pool.layers[li], self.heads, self.kv_heads)
+        else:
+            nqk = layer.nq + layer.nkv
+            qk = qkv[:, :nqk].view(T, self.heads + self.kv_heads, hd)
+            qk = qk * cos[:, None, :] + rotate_half(qk) * sin[:, None, :]  # q and k rotated together
+            q = qk[:, :self.heads]
+            pool.write(li, batch.slots, qk[:, self.heads:], qkv[:, nqk:].view(T, self.kv_heads, hd))
         group = self.heads // self.kv_heads
         if dm is not None and len(dm.slices) == len(batch.slices):  # decode only: one padded attention
             return self.all_reduce(F.linear(self._decode_attention(li, q, dm, pool), layer.o))
@@ -181,6 +204,7 @@ class LlamaStage:
             done = self._decode_attention(li, q, dm, pool)
             for j, i in enumerate(dm.slices):
                 outs[i] = done[j:j + 1]
+        self._whole_prompts(li, q, batch, offs, outs, pool)
         for i, sl in enumerate(batch.slices):
             if outs[i] is not None:
                 continue
@@ -197,6 +221,31 @@ class LlamaStage:
         parts = [o for o in outs if o is not None]   # every slot was filled above
         attn = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
         return self.all_reduce(F.linear(attn, layer.o))
+
+    def _whole_prompts(self, li: int, q: torch.Tensor, batch: ForwardBatch, offs: list[int],
+                       outs: list[torch.Tensor | None], pool: KVPool) -> None:
+        """Whole prompts of one length (slices from position 0), two or more: one causal attention
+        call for all of them ([b, heads, n, hd], their blocks gathered in one indexing), not one per
+        prompt; into `outs`. Other slices are left to the caller."""
+        groups: dict[int, list[int]] = {}
+        for i, sl in enumerate(batch.slices):
+            if outs[i] is None and sl.start == 0 and sl.n > 1:
+                groups.setdefault(sl.n, []).append(i)
+        bs, hd = pool.block_size, self.cfg.head_dim
+        for n, idx in groups.items():
+            if len(idx) < 2:
+                continue
+            nb = -(-n // bs)
+            qg = torch.stack([q[offs[i]:offs[i] + n] for i in idx]).transpose(1, 2)        # [b, H, n, hd]
+            kv = pool.layers[li][torch.stack([batch.slices[i].block_table[:nb] for i in idx])]
+            b = len(idx)                                                                   # [b, nb, 2, KVH, bs, hd]
+            k = kv[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, self.kv_heads, nb * bs, hd)[:, :, :n]
+            v = kv[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, self.kv_heads, nb * bs, hd)[:, :, :n]
+            o = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.heads != self.kv_heads)
+            o = o.transpose(1, 2).reshape(b, n, self.heads * hd)
+            for j, i in enumerate(idx):
+                outs[i] = o[j]
 
     def _decode_attention(self, li: int, q: torch.Tensor, dm: "DecodeMeta", pool: KVPool) -> torch.Tensor:
         """Single-token queries of B sequences against their contexts; [B, heads * head_dim]. On a

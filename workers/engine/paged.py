@@ -3,10 +3,11 @@ decoding does: one Triton program per (sequence, KV head, split of `PER` blocks)
 the block table, one block of `block_size` positions at a time, with an online softmax in float32
 (scores and values through the matrix units: bf16 in, fp32 out; float32 pools in full fp32),
 for the query heads that share the KV head (GQA without copies), and leaves its partial (max, sum,
-weighted values); a few tensor ops merge the splits. No gather of the blocks into padded tensors,
-no per-step host work: the block table and the context lengths are device tensors, so the kernel
-sits inside the decode step's CUDA graph. The splits keep the GPU busy at batch 1 (a program per
-KV head alone would leave most multiprocessors idle while each walks the whole context).
+weighted values); a second kernel merges the splits into the output, in q's dtype. No gather of
+the blocks into padded tensors, no per-step host work: the block table and the context lengths
+are device tensors, so the kernel sits inside the decode step's CUDA graph. The splits keep the
+GPU busy at batch 1 (a program per KV head alone would leave most multiprocessors idle while each
+walks the whole context).
 
 Used on CUDA when Triton is there (`available()`); elsewhere the model's gather + SDPA path runs.
 On the CPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`) in the tests that
@@ -41,8 +42,8 @@ def available(device: torch.device | str) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_decode(q_ptr, kv_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                      s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb,
+    def _paged_decode(q_ptr, kv_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, scale,
+                      s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb, s_ob, s_oh,
                       G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
                       PER: tl.constexpr, S: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
         b = tl.program_id(0)
@@ -87,19 +88,58 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        row = (b * KVH + kh) * GP + g                                                    # [GP]
-        tl.store(m_ptr + row * S + sp, m)
-        tl.store(l_ptr + row * S + sp, l)
-        tl.store(acc_ptr + (row * S + sp)[:, None] * D + d[None, :], acc)
+        if S == 1:   # one split: the output itself, in q's dtype (no partials, no merge)
+            out = acc / l[:, None]
+            tl.store(o_ptr + b * s_ob + (kh * G + g)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=gmask[:, None])
+        else:        # this split's partial, for the G real query rows only
+            row = (b * KVH + kh) * G + g                                                 # [GP]
+            tl.store(m_ptr + row * S + sp, m, mask=gmask)
+            tl.store(l_ptr + row * S + sp, l, mask=gmask)
+            tl.store(acc_ptr + (row * S + sp)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+
+    @triton.jit
+    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ob, s_oh, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr,
+               SP: tl.constexpr, D: tl.constexpr):
+        """The splits of one (sequence, KV head) merged: weights exp(m - max m), output in q's dtype."""
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        KVH = tl.num_programs(1)
+        g = tl.arange(0, GP)
+        gmask = g < G
+        d = tl.arange(0, D)
+        sp = tl.arange(0, SP)
+        row = (b * KVH + kh) * G + g                                                     # [GP]
+        ms = tl.load(m_ptr + row[:, None] * S + sp[None, :], mask=gmask[:, None] & (sp[None, :] < S),
+                     other=float("-inf"))
+        mx = tl.where(gmask, tl.max(ms, 1), 0.0)  # split 0 always holds position 0: finite
+        out = tl.zeros([GP, D], tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        for j in range(0, S):
+            w = tl.exp(tl.load(m_ptr + row * S + j, mask=gmask, other=0.0) - mx)        # [GP]
+            den += tl.load(l_ptr + row * S + j, mask=gmask, other=1.0) * w
+            out += tl.load(acc_ptr + (row * S + j)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0) \
+                * w[:, None]
+        out = out / den[:, None]
+        tl.store(o_ptr + b * s_ob + (kh * G + g)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
 
 
-PER = 4   # blocks per split
+def split(nb: int, programs: int) -> tuple[int, int]:
+    """(blocks per split, warps) for a table of `nb` blocks and `programs` (sequence, KV head) pairs,
+    as measured on the H200 (bench/paged_tune.py, docs/benchmarks.md): 4 blocks a split while the
+    pairs alone would leave the GPU idle, 8 once there are 128 or more (fewer partials to merge);
+    2 warps a program but at batch 1 (more programs resident, more loads in flight)."""
+    per = 4 if programs < 128 else 8
+    return min(per, max(1, triton.next_power_of_2(nb))), 4 if programs < 16 else 2
 
 
 def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, per: int | None = None, num_warps: int | None = None,
+                 num_stages: int = 2) -> torch.Tensor:
     """q [B, H, D] (one token per sequence), one layer's pool [blocks, 2, KVH, block_size, D],
-    block tables [B, nb], context lengths [B] (>= 1) -> attention output [B, H, D]."""
+    block tables [B, nb], context lengths [B] (>= 1) -> attention output [B, H, D]. `per`: blocks
+    per split and `num_warps` (default: `split()`), `num_stages`: Triton's launch options."""
     B, H, D = q.shape
     _, two, KVH, BS, D2 = pool_layer.shape
     assert two == 2 and D2 == D and H % KVH == 0 and pool_layer.stride(-1) == 1 and q.stride(-1) == 1
@@ -107,15 +147,22 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     dot = BS >= 16 and D >= 16
     GP = max(16 if dot else 1, triton.next_power_of_2(G))   # a KV head's query rows (to tl.dot's least M)
     nb = table.shape[1]
-    S = -(-nb // PER)
-    m = torch.empty(B, KVH, GP, S, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(B, KVH, GP, S, D, dtype=torch.float32, device=q.device)
-    _paged_decode[(B, KVH, S)](q, pool_layer, table, lens, m, l, acc, scale,
+    dper, dwarps = split(nb, B * KVH)
+    per, num_warps = per or dper, num_warps or dwarps
+    S = -(-nb // per)
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    if S > 1:
+        m = torch.empty(B, KVH, G, S, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(B, KVH, G, S, D, dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out   # not written
+    _paged_decode[(B, KVH, S)](q, pool_layer, table, lens, m, l, acc, out, scale,
                                q.stride(0), q.stride(1), pool_layer.stride(0), pool_layer.stride(1),
-                               pool_layer.stride(2), pool_layer.stride(3), table.stride(0),
-                               G=G, GP=GP, BS=BS, D=D, NB=nb, PER=PER, S=S, EXACT=q.dtype == torch.float32, DOT=dot)
-    mx = m.amax(-1, keepdim=True)                  # split 0 always holds position 0: finite
-    w = torch.exp(m - mx)
-    out = (acc * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]   # [B, KVH, GP, D]
-    return out[:, :, :G].reshape(B, H, D).to(q.dtype)
+                               pool_layer.stride(2), pool_layer.stride(3), table.stride(0), out.stride(0), out.stride(1),
+                               G=G, GP=GP, BS=BS, D=D, NB=nb, PER=per, S=S, EXACT=q.dtype == torch.float32, DOT=dot,
+                               num_warps=num_warps, num_stages=num_stages)
+    if S > 1:
+        _merge[(B, KVH)](m, l, acc, out, out.stride(0), out.stride(1), G=G, GP=GP, S=S,
+                         SP=triton.next_power_of_2(S), D=D)
+    return out
