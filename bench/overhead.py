@@ -7,6 +7,7 @@ leg itself, exactly as the mesh would). Reports req/s, p50/p99 latency, TTFT, an
 process's own CPU time per request; writes JSON under bench/results/.
 
     .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64] [--mesh-tree DIR]
+    .venv/bin/python bench/overhead.py --prompt-bytes 1000,220000,1000000   # long prompts
 
 Before/after a change, in one run on one machine: check the old commit out in a worktree and let
 this same script start the mesh and the mock fleet from each tree in turn (alternate a few rounds:
@@ -62,14 +63,22 @@ def pct(xs: list[float], q: float) -> float:
 
 
 class Client:
-    def __init__(self, session: aiohttp.ClientSession, mesh: str, prefills: list[str], decodes: list[str]) -> None:
+    def __init__(self, session: aiohttp.ClientSession, mesh: str, prefills: list[str], decodes: list[str],
+                 prompt_bytes: int = 0) -> None:
+        """`prompt_bytes`: prompts of this many bytes (ASCII), each one new from its first bytes (no
+        prefix shared with another request: every chunk a cache-aware policy keys is new)."""
         self.s, self.mesh, self.prefills, self.decodes = session, mesh, prefills, decodes
         self.i = 0
+        self.filler = "".join(chr(97 + (i * 7919) % 26) for i in range(prompt_bytes)) if prompt_bytes else ""
 
     def body(self, stream: bool) -> dict[str, Any]:
         self.i += 1
-        b: dict[str, Any] = {"model": "mock-model", "prompt": f"benchmark prompt {self.i % 97} " * 8,
-                             "max_tokens": 64 if stream else 16}
+        if self.filler:
+            head = f"request {self.i} "
+            prompt = head + self.filler[len(head):]
+        else:
+            prompt = f"benchmark prompt {self.i % 97} " * 8
+        b: dict[str, Any] = {"model": "mock-model", "prompt": prompt, "max_tokens": 64 if stream else 16}
         if stream:
             b["stream"] = True
         return b
@@ -115,7 +124,7 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
     lat: list[float] = []
     ttft: list[float] = []
     errors = 0
-    for _ in range(min(50, conc * 5)):  # warm-up: connections and caches
+    for _ in range(min(50, conc * 5) if not client.filler else 3):  # warm-up: connections and caches
         await fn(stream)
     stop_at = time.perf_counter() + seconds
 
@@ -142,7 +151,9 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
 
 
 async def main(a: argparse.Namespace) -> list[Result]:
-    fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode)], "ready")
+    blocks = ["--num-blocks", str(max(4096, 8 * max(a.prompt_bytes or [0]) // 16))]
+    fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode), *blocks],
+                         "ready")
     prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
     decodes = [line.split()[1] for line in lines if line.startswith("decode ")]
     cmd = [*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
@@ -158,6 +169,18 @@ async def main(a: argparse.Namespace) -> list[Result]:
         proc = psutil.Process(mesh.pid)
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
+            for size in a.prompt_bytes:   # long prompts: JSON, one request at a time, each size in turn
+                client = Client(s, url, prefills, decodes, prompt_bytes=size)
+                for target in ("direct", "mesh"):
+                    r = await run_one(client, target, False, 1, a.seconds, proc)
+                    r.mode = f"json {size}B"
+                    results.append(r)
+                    print(f"prompt {size:8} B {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  errors {r.errors}"
+                          + (f"  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req "
+                             f"({r.mesh_cpu_ms_per_req / size * 1e6:.2f} us/kB)" if r.mesh_cpu_ms_per_req else ""),
+                          flush=True)
+            if a.prompt_bytes:
+                return results
             client = Client(s, url, prefills, decodes)
             for stream in (False, True):
                 for conc in a.concurrency:
@@ -183,6 +206,8 @@ def summary(results: list[Result]) -> list[dict[str, Any]]:
             continue
         d = by[("direct", mode, c)]
         out.append({"mode": mode, "concurrency": c, "mesh_cpu_ms_per_req": r.mesh_cpu_ms_per_req,
+                    **({"mesh_cpu_us_per_kB": round(r.mesh_cpu_ms_per_req / int(mode.split()[1][:-1]) * 1e6, 3)}
+                       if mode.startswith("json ") and r.mesh_cpu_ms_per_req else {}),
                     "added_p50_ms": round(r.p50_ms - d.p50_ms, 3),
                     "rps_ratio_mesh_over_direct": round(r.rps / d.rps, 3) if d.rps else None,
                     "p50_ratio_mesh_over_direct": round(r.p50_ms / d.p50_ms, 3) if d.p50_ms else None})
@@ -199,7 +224,10 @@ if __name__ == "__main__":
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--ledger-interval 1'")
     ap.add_argument("--mesh-tree", help="run `mesh serve` and `mesh mock-fleet` from this source tree (a worktree "
                     "of another commit) instead of this one")
+    ap.add_argument("--prompt-bytes", default="", help="long prompts instead: these sizes in bytes (e.g. "
+                    "1000,220000,1000000), JSON at concurrency 1, the mesh's CPU per request and per kB")
     args = ap.parse_args()
+    args.prompt_bytes = [int(x) for x in args.prompt_bytes.split(",") if x]
     if args.mesh_tree:  # the processes this script starts import the mesh from there
         os.environ["PYTHONPATH"] = str(Path(args.mesh_tree).resolve())
     args.concurrency = [int(x) for x in args.concurrency.split(",")]

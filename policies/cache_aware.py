@@ -1,14 +1,15 @@
 """cache_aware: send a prompt where its longest prefix was sent before, unless load is skewed.
 
-The whole rendered prompt (chat: every message) is cut into fixed-size chunks; chunk i's
-key is hash(key of chunk i-1, chunk i), so a key names a whole prefix. An index maps each
+The whole rendered prompt (chat: every message) is cut into chunks whose size depends on their
+position only (`chunk_keys`: fine at the start, coarser far into long prompts); chunk i's key is
+hash(key of chunk i-1, chunk i), so a key names a whole prefix. An index maps each
 key to the workers that saw it; each worker keeps its keys in an LRU of bounded size, and
 an evicted key leaves the index. A request walks its keys from the first and keeps the
 workers that still match; the last non-empty set holds the longest match.
 
 Load guard (as in SGLang's router): when the busiest and idlest candidates differ by more
 than `balance_abs` in flight *and* by more than `balance_rel` times, or when the best match
-covers less than `min_match` of the prompt, the least-loaded candidate wins instead.
+covers less than `min_match` of the prompt's characters, the least-loaded candidate wins instead.
 Either way, the chosen worker learns the prompt's keys.
 """
 
@@ -21,14 +22,28 @@ from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
 
-def chunk_keys(text: str, chunk: int) -> list[int]:
-    """Chained hashes of the prompt's full chunks (a trailing partial chunk counts too)."""
+FINE = 64       # the first FINE chunks are `chunk` characters each,
+MID = 1024      # up to MID base chunks' worth, 16 chunks each; beyond, 256 chunks each
+
+
+def chunk_keys(text: str, chunk: int) -> tuple[list[int], list[int]]:
+    """Chained hashes of the prompt's chunks (a trailing partial chunk counts too) and where each
+    chunk ends. Chunks are `chunk` characters over the first `FINE * chunk` (64 x 64 = 4 kB by
+    default, where prompts diverge), 16 times that up to `MID * chunk` (64 kB), 256 times that
+    beyond: where a chunk starts depends on its position only, so equal prefixes give equal keys,
+    and a 1 MB prompt has ~180 keys, not ~16,000 (bench/overhead.py --prompt-bytes; the hit rate
+    on shared prefixes: bench/cache_hits.py). Python's string hash runs at memory speed."""
     keys: list[int] = []
-    h = 0
-    for i in range(0, len(text), chunk):
-        h = hash((h, text[i:i + chunk]))
+    ends: list[int] = []
+    h, i, n = 0, 0, len(text)
+    fine, mid = FINE * chunk, MID * chunk
+    while i < n:
+        j = min(n, i + (chunk if i < fine else chunk * 16 if i < mid else chunk * 256))
+        h = hash((h, text[i:j]))
         keys.append(h)
-    return keys
+        ends.append(j)
+        i = j
+    return keys, ends
 
 
 class CacheAware(PolicyBase):
@@ -47,17 +62,21 @@ class CacheAware(PolicyBase):
         self.min_match = min_match
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
-        self._index: dict[int, set[str]] = {}
+        # key -> bit mask of the workers that saw it (one bit per worker, `_slot`): ints, not sets,
+        # so the index holds no garbage-collected containers (hundreds of thousands of keys)
+        self._index: dict[int, int] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
 
     # -- decision -------------------------------------------------------------------------
 
     def select(self, request: RoutingRequest, view: View) -> Worker:
         ws = view.workers
-        keys = chunk_keys(request.prompt_text(), self.chunk)
+        keys, ends = chunk_keys(request.prompt_text(), self.chunk)
         chosen = self._least_loaded(ws, view) if self._imbalanced(ws, view) else None
         if chosen is None:
-            chosen = self._best_match(keys, ws, view)
+            chosen = self._best_match(keys, ends, ws, view)
         self._learn(chosen.id, keys)
         return chosen
 
@@ -68,22 +87,23 @@ class CacheAware(PolicyBase):
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > lo * self.balance_rel
 
-    def _best_match(self, keys: list[int], ws: tuple[Worker, ...], view: View) -> Worker:
-        by_id = {w.id: w for w in ws}
-        alive: set[str] = set(by_id)
+    def _best_match(self, keys: list[int], ends: list[int], ws: tuple[Worker, ...], view: View) -> Worker:
+        slot = self._slot
+        alive = 0
+        for w in ws:
+            if w.id in slot:
+                alive |= 1 << slot[w.id]
+        index = self._index
         matched = 0
         for k in keys:
-            holders = self._index.get(k)
-            if not holders:
-                break
-            nxt = alive & holders
+            nxt = alive & index.get(k, 0)
             if not nxt:
                 break
             alive = nxt
             matched += 1
-        if not keys or matched < self.min_match * len(keys):
+        if not keys or (ends[matched - 1] if matched else 0) < self.min_match * ends[-1]:   # characters matched
             return self._least_loaded(ws, view)
-        return self._least_loaded(tuple(w for w in ws if w.id in alive), view)
+        return self._least_loaded(tuple(w for w in ws if w.id in slot and alive >> slot[w.id] & 1), view)
 
     @staticmethod
     def _least_loaded(ws: tuple[Worker, ...], view: View) -> Worker:
@@ -95,29 +115,33 @@ class CacheAware(PolicyBase):
         lru = self._lru.get(worker_id)
         if lru is None:
             lru = self._lru[worker_id] = OrderedDict()
+            self._slot[worker_id] = self._free.pop() if self._free else len(self._slot)
+        bit = 1 << self._slot[worker_id]
         index = self._index
         for k in keys:
             if k in lru:
                 lru.move_to_end(k)
             else:
                 lru[k] = None
-                index.setdefault(k, set()).add(worker_id)
+                index[k] = index.get(k, 0) | bit
         while len(lru) > self.capacity:
             old, _ = lru.popitem(last=False)
-            self._unindex(old, worker_id)
+            self._unindex(old, bit)
 
-    def _unindex(self, key: int, worker_id: str) -> None:
-        holders = self._index.get(key)
-        if holders is not None:
-            holders.discard(worker_id)
-            if not holders:
-                del self._index[key]
+    def _unindex(self, key: int, bit: int) -> None:
+        rest = self._index.get(key, 0) & ~bit
+        if rest:
+            self._index[key] = rest
+        else:
+            self._index.pop(key, None)
 
     def retain(self, worker_ids: Iterable[str]) -> None:
         keep = set(worker_ids)
         for wid in [w for w in self._lru if w not in keep]:
+            slot = self._slot.pop(wid)
             for k in self._lru.pop(wid):
-                self._unindex(k, wid)
+                self._unindex(k, 1 << slot)
+            self._free.append(slot)
 
     def indexed_chunks(self, worker_id: str) -> int:
         return len(self._lru.get(worker_id, ()))

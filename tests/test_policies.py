@@ -223,3 +223,37 @@ async def test_kv_pressure_in_the_mesh_tracks_blocks(make_pd, http):
             break
         await asyncio.sleep(0.02)
     assert sum(pd.state.fleet.kv_free.values()) == 128
+
+
+def test_cache_aware_long_prompts_have_few_keys_and_keep_their_prefixes():
+    """Chunks grow with their position (issue 20): a 1 MB prompt has ~180 keys, not 16,000; a
+    prefix's keys are the longer prompt's first keys; a long shared prefix still finds its owner."""
+    from policies.cache_aware import chunk_keys
+
+    doc = "".join(chr(97 + (i * 7919) % 26) for i in range(1_000_000))
+    keys, ends = chunk_keys(doc, 64)
+    assert len(keys) < 200 and ends[-1] == len(doc) and ends == sorted(ends)
+    for cut in (100, 4096, 70_000, 300_001):
+        k2, e2 = chunk_keys(doc[:cut], 64)
+        whole = sum(1 for e in ends if e <= cut)   # the chunks wholly inside the prefix
+        assert k2[:whole] == keys[:whole] and e2[-1] == cut
+    ws = workers(4)
+    p = policies.create("cache_aware")
+    owner = p.select(req(doc[:300_000] + " question A"), View(ws, {})).id
+    load = {w.id: 1 for w in ws}
+    assert all(p.select(req(doc[:300_000] + f" question {i}"), View(ws, load)).id == owner for i in range(5))
+    # a prompt matching less than half its characters goes to the least loaded worker
+    other = p.select(req(doc[:1000] + "x" * 5000), View(ws, {owner: 3, **{w.id: 0 for w in ws if w.id != owner}}))
+    assert other.id != owner
+
+
+def test_cache_aware_index_slots_are_reused_after_retain():
+    ws = workers(3)
+    p = policies.create("cache_aware", chunk_chars=4)
+    for i, w in enumerate(ws):
+        p._learn(w.id, [i, 100 + i])
+    p.retain([ws[0].id, ws[2].id])
+    assert p.indexed_chunks(ws[1].id) == 0 and 1 not in p._index and 101 not in p._index
+    p._learn("w9", [1])                      # the freed slot, not a new bit
+    assert sorted(p._slot.values()) == [0, 1, 2]
+    assert p.select(req("pppp"), View(ws, {})).id in {w.id for w in ws}
