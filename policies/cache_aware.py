@@ -21,7 +21,6 @@ from typing import Iterable
 from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
-
 FINE = 64       # the first FINE chunks are `chunk` characters each,
 MID = 1024      # up to MID base chunks' worth, 16 chunks each; beyond, 256 chunks each
 
