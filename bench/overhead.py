@@ -8,6 +8,7 @@ process's own CPU time per request; writes JSON under bench/results/.
 
     .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64] [--mesh-tree DIR]
     .venv/bin/python bench/overhead.py --prompt-bytes 1000,220000,1000000   # long prompts
+    .venv/bin/python bench/overhead.py --anchors --seconds 4   # beside sglang-router and vllm-router
 
 Before/after a change, in one run on one machine: check the old commit out in a worktree and let
 this same script start the mesh and the mock fleet from each tree in turn (alternate a few rounds:
@@ -69,6 +70,7 @@ class Client:
         prefix shared with another request: every chunk a cache-aware policy keys is new)."""
         self.s, self.mesh, self.prefills, self.decodes = session, mesh, prefills, decodes
         self.i = 0
+        self.check = False   # read every answer whole and check its token count (bench/anchors.py)
         self.filler = "".join(chr(97 + (i * 7919) % 26) for i in range(prompt_bytes)) if prompt_bytes else ""
 
     def body(self, stream: bool) -> dict[str, Any]:
@@ -85,13 +87,22 @@ class Client:
 
     async def via_mesh(self, stream: bool) -> tuple[float, float]:
         t0 = time.perf_counter()
-        async with self.s.post(self.mesh + "/v1/completions", json=self.body(stream)) as r:
+        body = self.body(stream)
+        async with self.s.post(self.mesh + "/v1/completions", data=orjson.dumps(body),
+                               headers={"Content-Type": "application/json"}) as r:
             if r.status != 200:
                 raise RuntimeError(f"mesh answered {r.status}")
             first = await r.content.readany()
             ttft = time.perf_counter() - t0
+            got = [first]
             while first:
                 first = await r.content.readany()
+                if self.check:
+                    got.append(first)
+        if self.check:
+            from bench.anchors import check_tokens
+
+            check_tokens(b"".join(got), stream, body["max_tokens"])
         return time.perf_counter() - t0, ttft
 
     async def direct(self, stream: bool) -> tuple[float, float]:
@@ -226,6 +237,8 @@ if __name__ == "__main__":
                     "of another commit) instead of this one")
     ap.add_argument("--prompt-bytes", default="", help="long prompts instead: these sizes in bytes (e.g. "
                     "1000,220000,1000000), JSON at concurrency 1, the mesh's CPU per request and per kB")
+    ap.add_argument("--anchors", action="store_true", help="instead: the mesh beside sglang-router and vllm-router "
+                    "(installed into .venv-anchors) and the direct baseline, each in its dialect (bench/anchors.py)")
     args = ap.parse_args()
     args.prompt_bytes = [int(x) for x in args.prompt_bytes.split(",") if x]
     if args.mesh_tree:  # the processes this script starts import the mesh from there
@@ -236,6 +249,10 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
+    if args.anchors:
+        from bench.anchors import run as run_anchors
+
+        sys.exit(asyncio.run(run_anchors(args)))
     res = asyncio.run(main(args))
     summ = summary(res)
     print("\nsummary (mesh vs direct, same run):")

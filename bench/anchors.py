@@ -1,0 +1,237 @@
+"""`bench/overhead.py --anchors`: the mesh's CPU per PD request beside the Rust PD routers users
+would otherwise run, in one run, against the zero-cost mock fleet speaking each router's dialect.
+
+- sglang-router 0.3.2 (`sglang-router launch --pd-disaggregation`) against `mesh mock-fleet
+  --dialect sglang`, and the mesh over the same fleet;
+- vllm-router 0.1.17 (`vllm-router --vllm-pd-disaggregation`) against `--dialect vllm`, and the
+  mesh over the same fleet;
+- the mesh in `atom` (its ledger on) against `--dialect atom`, and the direct baseline (this
+  client runs the prefill leg, then the decode leg, itself).
+
+The routers are installed by this script into `.venv-anchors` (a bench-only venv, pinned; the
+project never imports them). Every proxy runs pinned to the last core, the fleet and this client
+on the others; a proxy's CPU is its process tree's user + system time over the requests it served.
+Every answer is checked: 16 tokens for JSON, 64 for SSE, each once (`check_tokens`). Policies:
+round_robin for prefill and decode everywhere (the proxies' cost, not their policies', is measured).
+Exits 1 when the mesh is above sglang-router at c >= 16 (JSON or SSE), as issue 20 asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-anchors"
+PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+TOKEN = re.compile(rb'"text":" t\d+"')
+
+
+def ensure_routers() -> Path:
+    """The routers' venv, created and filled once (pip from the package index)."""
+    bindir = VENV / "bin"
+    if not (bindir / "sglang-router").exists() or not (bindir / "vllm-router").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(bindir / "pip"), "install", "-q", *PINS], check=True)
+    return bindir
+
+
+def check_tokens(raw: bytes, stream: bool, want: int) -> None:
+    """The answer carries exactly `want` tokens (the mock's token t reads " t<t>")."""
+    if stream:
+        got = len(TOKEN.findall(raw))
+        if b"data: [DONE]" not in raw:
+            raise RuntimeError("the stream did not end with [DONE]")
+    else:
+        got = len(re.findall(r" t\d+", orjson.loads(raw)["choices"][0]["text"]))
+    if got != want:
+        raise RuntimeError(f"{got} tokens, not {want}")
+
+
+class Tree:
+    """A process and its children: CPU times summed (a router's launcher and its server)."""
+
+    def __init__(self, pid: int) -> None:
+        self.p = psutil.Process(pid)
+
+    def procs(self) -> list[psutil.Process]:
+        try:
+            return [self.p, *self.p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def cpu_times(self) -> tuple[float, float]:
+        u = s = 0.0
+        for q in self.procs():
+            try:
+                t = q.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            u, s = u + t.user, s + t.system
+        return u, s
+
+    def pin(self, cores: set[int]) -> None:
+        for q in self.procs():
+            try:
+                os.sched_setaffinity(q.pid, cores)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_serving(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes],
+                       timeout: float = 90) -> None:
+    """Until a completion through `url` answers 200 (the router found and checked its workers)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the proxy exited ({proc.returncode})")
+        try:
+            async with session.post(url + "/v1/completions", json={"model": "mock-model", "prompt": "ready?",
+                                                                    "max_tokens": 2}) as r:
+                if r.status == 200:
+                    return
+                last = f"{r.status} {(await r.read())[:200]!r}"
+        except aiohttp.ClientError as e:
+            last = type(e).__name__
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url} not serving within {timeout:.0f}s: {last}")
+
+
+def start_router(bindir: Path, kind: str, prefills: list[str],
+                 decodes: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    port, prom = free_port(), free_port()
+    if kind == "sglang-router":
+        cmd = [str(bindir / "sglang-router"), "launch", "--pd-disaggregation"]
+        for u in prefills:   # the mock SGLang prefill's bootstrap server is its HTTP port
+            cmd += ["--prefill", u, u.rsplit(":", 1)[1]]
+    else:
+        cmd = [str(bindir / "vllm-router"), "--vllm-pd-disaggregation"]
+        for u in prefills:
+            cmd += ["--prefill", u]
+    for u in decodes:
+        cmd += ["--decode", u]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(prom), "--log-level", "error" if kind == "vllm-router" else "warn"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: list[str],
+               tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    from bench.procs import start
+
+    toml = tmp / f"mesh-{dialect}.toml"
+    lines = []
+    for i, u in enumerate(prefills):
+        lines += ["[[prefill]]", f'url = "{u}"', f'id = "{dialect}-p{i}"', 'model = "mock-model"',
+                  f'dialect = "{dialect}"']
+        if dialect == "sglang":   # the mock SGLang prefill's bootstrap server is its HTTP port
+            lines.append(f"bootstrap_port = {u.rsplit(':', 1)[1]}")
+    for i, u in enumerate(decodes):
+        lines += ["[[decode]]", f'url = "{u}"', f'id = "{dialect}-d{i}"', 'model = "mock-model"',
+                  f'dialect = "{dialect}"']
+    toml.write_text("\n".join(lines) + "\n")
+    p, out = start([*mesh_cmd, "--log-level", "WARNING", "serve", "--port", "0", "--config", str(toml),
+                    "--prefill-policy", "round_robin", "--decode-policy", "round_robin"], "mesh ")
+    return p, out[-1].split()[1]
+
+
+async def run(a: argparse.Namespace) -> int:
+    from bench.overhead import Client, run_one
+    from bench.procs import MESH, start
+
+    bindir = ensure_routers()
+    cores = sorted(os.sched_getaffinity(0))
+    proxy_core, rest = {cores[-1]}, set(cores[:-1]) or {cores[-1]}
+    os.sched_setaffinity(0, rest)
+    rows: list[dict[str, Any]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="atomesh-anchors-"))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for dialect, router in (("sglang", "sglang-router"), ("vllm", "vllm-router"), ("atom", None)):
+            fleet, lines = start([*MESH, "mock-fleet", "--dialect", dialect, "--prefill", str(a.prefill),
+                                  "--decode", str(a.decode)], "ready")
+            pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
+            dec = [x.split()[1] for x in lines if x.startswith("decode ")]
+            Tree(fleet.pid).pin(rest)
+            procs: list[tuple[str, Any, str]] = []
+            try:
+                mp, murl = start_mesh(MESH, dialect, pre, dec, tmp)
+                procs.append((f"mesh ({dialect})", mp, murl))
+                if router is not None:
+                    rp, rurl = start_router(bindir, router, pre, dec)
+                    procs.append((router, rp, rurl))
+                for _, p, url in procs:
+                    await wait_serving(s, url, p)
+                    Tree(p.pid).pin(proxy_core)
+                for stream in (False, True):
+                    for conc in a.concurrency:
+                        targets = [*procs, *([("direct", None, "")] if dialect == "atom" else [])]
+                        for name, p, url in targets:
+                            client = Client(s, url, pre, dec)
+                            client.check = True
+                            tree = Tree(p.pid) if p is not None else Tree(os.getpid())
+                            r = await run_one(client, "direct" if p is None else "mesh", stream, conc, a.seconds, tree)
+                            row = {"dialect": dialect, "proxy": name, "mode": r.mode, "c": conc, "rps": r.rps,
+                                   "p50_ms": r.p50_ms, "errors": r.errors, "requests": r.requests,
+                                   "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None}
+                            rows.append(row)
+                            cpu = f"  cpu {row['cpu_ms_per_req']:.3f} ms/req" if row["cpu_ms_per_req"] else ""
+                            print(f"{dialect:6} {name:14} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  "
+                                  f"p50 {r.p50_ms:7.2f} ms  errors {r.errors}{cpu}", flush=True)
+            finally:
+                for _, p, _ in procs:
+                    p.terminate()
+                    p.wait(15)
+                fleet.terminate()
+                fleet.wait(15)
+    return report(rows)
+
+
+def report(rows: list[dict[str, Any]]) -> int:
+    by = {(r["proxy"], r["mode"], r["c"]): r for r in rows}
+    print("\nCPU ms per PD request (proxy pinned to its own core), the mesh's ratio to each router:")
+    bad = []
+    for mode in ("json", "sse64"):
+        for c in sorted({r["c"] for r in rows}):
+            cells = []
+            for mesh, router in (("mesh (sglang)", "sglang-router"), ("mesh (vllm)", "vllm-router")):
+                m, x = by.get((mesh, mode, c)), by.get((router, mode, c))
+                if m and x and m["cpu_ms_per_req"] and x["cpu_ms_per_req"]:
+                    ratio = m["cpu_ms_per_req"] / x["cpu_ms_per_req"]
+                    cells.append(f"{mesh} {m['cpu_ms_per_req']:.3f} vs {router} {x['cpu_ms_per_req']:.3f} "
+                                 f"(x{ratio:.2f})")
+                    if router == "sglang-router" and c >= 16 and ratio > 1:
+                        bad.append(f"{mode} c={c} x{ratio:.2f}")
+            atom, direct = by.get(("mesh (atom)", mode, c)), by.get(("direct", mode, c))
+            if atom and direct:
+                cells.append(f"mesh (atom) {atom['cpu_ms_per_req']:.3f}, "
+                             f"added p50 {atom['p50_ms'] - direct['p50_ms']:+.3f} ms")
+            print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
+    errors = sum(r["errors"] for r in rows)
+    print(f"errors (wrong token counts included): {errors}")
+    out = ROOT / "bench" / "results" / f"anchors-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(orjson.dumps({"pins": PINS, "rows": rows}, option=orjson.OPT_INDENT_2).decode())
+    print(f"wrote {out}")
+    if bad:
+        print("the mesh is above sglang-router at: " + ", ".join(bad))
+    return 1 if bad or errors else 0
