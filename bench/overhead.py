@@ -9,6 +9,7 @@ process's own CPU time per request; writes JSON under bench/results/.
     .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64] [--mesh-tree DIR]
     .venv/bin/python bench/overhead.py --prompt-bytes 1000,220000,1000000   # long prompts
     .venv/bin/python bench/overhead.py --anchors --seconds 4   # beside sglang-router and vllm-router
+    .venv/bin/python bench/overhead.py --rss-minutes 10        # the mesh's RSS at its highest rate
 
 Before/after a change, in one run on one machine: check the old commit out in a worktree and let
 this same script start the mesh and the mock fleet from each tree in turn (alternate a few rounds:
@@ -192,6 +193,9 @@ async def main(a: argparse.Namespace) -> list[Result]:
                           flush=True)
             if a.prompt_bytes:
                 return results
+            if a.rss_minutes:
+                await rss_run(Client(s, url, prefills, decodes), proc, a.rss_minutes)
+                return results
             client = Client(s, url, prefills, decodes)
             for stream in (False, True):
                 for conc in a.concurrency:
@@ -207,6 +211,47 @@ async def main(a: argparse.Namespace) -> list[Result]:
             p.terminate()
             p.wait(10)
     return results
+
+
+async def rss_run(client: Client, proc: psutil.Process, minutes: float, conc: int = 64) -> None:
+    """`--rss-minutes`: the mesh at its highest rate (closed loop, `conc` at once, JSON and SSE in
+    turn, every answer's token count checked) for `minutes`; its RSS sampled every 5 s, the growth
+    from the end of the first minute (warm-up) to the end."""
+    client.check = True
+    stop_at = time.monotonic() + minutes * 60
+    done = errors = 0
+    samples: list[tuple[float, int]] = []
+    t0 = time.monotonic()
+
+    async def loop(k: int) -> None:
+        nonlocal done, errors
+        while time.monotonic() < stop_at:
+            try:
+                await client.via_mesh(stream=(done + k) % 2 == 1)
+                done += 1
+            except Exception:  # noqa: BLE001 - counted
+                errors += 1
+
+    async def sample() -> None:
+        while time.monotonic() < stop_at:
+            samples.append((time.monotonic() - t0, proc.memory_info().rss))
+            await asyncio.sleep(5)
+
+    await asyncio.gather(sample(), *(loop(k) for k in range(conc)))
+    samples.append((time.monotonic() - t0, proc.memory_info().rss))
+    warm = next(r for t, r in samples if t >= 60) if minutes > 1 else samples[0][1]
+    end = samples[-1][1]
+    res = {"minutes": minutes, "concurrency": conc, "requests": done, "errors": errors,
+           "rps": round(done / (minutes * 60), 1), "rss_start_mb": round(samples[0][1] / 2**20, 1),
+           "rss_after_warmup_mb": round(warm / 2**20, 1), "rss_end_mb": round(end / 2**20, 1),
+           "growth_after_warmup_pct": round((end / warm - 1) * 100, 2),
+           "samples": [(round(t, 1), round(r / 2**20, 2)) for t, r in samples]}
+    print(f"{done} requests ({res['rps']} req/s), {errors} errors; mesh RSS {res['rss_start_mb']} MB at start, "
+          f"{res['rss_after_warmup_mb']} MB after 1 min, {res['rss_end_mb']} MB at the end: "
+          f"{res['growth_after_warmup_pct']:+.2f}% after warm-up", flush=True)
+    out = ROOT / "bench" / "results" / f"rss-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
 
 
 def summary(results: list[Result]) -> list[dict[str, Any]]:
@@ -239,6 +284,8 @@ if __name__ == "__main__":
                     "1000,220000,1000000), JSON at concurrency 1, the mesh's CPU per request and per kB")
     ap.add_argument("--anchors", action="store_true", help="instead: the mesh beside sglang-router and vllm-router "
                     "(installed into .venv-anchors) and the direct baseline, each in its dialect (bench/anchors.py)")
+    ap.add_argument("--rss-minutes", type=float, default=0.0, help="instead: the mesh at its highest rate for this "
+                    "many minutes, its RSS sampled (growth after the first minute)")
     args = ap.parse_args()
     args.prompt_bytes = [int(x) for x in args.prompt_bytes.split(",") if x]
     if args.mesh_tree:  # the processes this script starts import the mesh from there
@@ -254,6 +301,8 @@ if __name__ == "__main__":
 
         sys.exit(asyncio.run(run_anchors(args)))
     res = asyncio.run(main(args))
+    if args.rss_minutes:
+        sys.exit(0)
     summ = summary(res)
     print("\nsummary (mesh vs direct, same run):")
     for s in summ:
