@@ -225,7 +225,8 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.metrics.set_healthy(st.fleet.healthy_counts())
-    return web.Response(body=generate_latest(st.metrics.registry),
+    st.metrics.sync_live()
+    return web.Response(body=generate_latest(st.metrics.exposed),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -264,6 +265,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     if cfg.pd:
         await st.reconciler.reconcile(full=True)  # after a restart: adopt what pipelines hold for this mesh id
         tasks.append(asyncio.create_task(st.reconciler.run(), name="kv-ledger"))
+    if st.metrics.multiprocess:   # `mesh serve --workers N`: live gauges into the shared files
+        tasks.append(asyncio.create_task(_sync_metrics(st), name="metrics-sync"))
     replica = None
     if cfg.etcd is not None:
         replica = _replica_keeper(st)
@@ -279,6 +282,18 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         await st.background.drain(cfg.timeouts.release)
         await st.fleet.registry.close()
         await st.upstream.close()
+        if st.metrics.multiprocess:
+            from prometheus_client import multiprocess
+
+            # (type: ignore below) prometheus-client's multiprocess helpers are untyped
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
+async def _sync_metrics(st: MeshState) -> None:
+    while True:
+        st.metrics.set_healthy(st.fleet.healthy_counts())
+        st.metrics.sync_live()
+        await asyncio.sleep(1.0)
 
 
 def _replica_keeper(st: MeshState) -> Any:
@@ -363,7 +378,8 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int, keepalive_timeout: float = 75.0) -> web.AppRunner:
+async def start_site(app: web.Application, host: str, port: int, keepalive_timeout: float = 75.0,
+                     reuse_port: bool = False) -> web.AppRunner:
     """Start serving `app`; returns the runner (call `cleanup()` to stop). A connection is closed
     `keepalive_timeout` after it opened or answered its last request if no whole request head has
     arrived meanwhile: idle keep-alive connections, and slowloris ones trickling a head (aiohttp
@@ -373,7 +389,7 @@ async def start_site(app: web.Application, host: str, port: int, keepalive_timeo
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive_timeout,
                            lingering_time=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
     await site.start()
     return runner
 

@@ -98,15 +98,16 @@ async def serve_until(cfg: MeshConfig, stop: asyncio.Event, announce: str | None
 
     if not (cfg.prefill or cfg.decode or cfg.workers or cfg.etcd):
         raise ConfigError("no workers: give --prefill/--decode (PD), --worker (regular), --config or --etcd")
-    port_free(cfg.host, cfg.port)
+    if not cfg.reuse_port:   # `--workers N`: the parent checked the port; its siblings hold it too
+        port_free(cfg.host, cfg.port)
     if not loopback(cfg.host) and not cfg.admin_token:
         log.warning("mesh serves on %s without an admin token: /workers, /kv/ledger and the dashboard map every "
                     "worker to anyone who can reach it; set --admin-token or ATOMESH_ADMIN_TOKEN (docs/security.md)",
                     cfg.host)
-    runner = await start_site(create_app(cfg), cfg.host, cfg.port)
+    runner = await start_site(create_app(cfg), cfg.host, cfg.port, reuse_port=cfg.reuse_port)
     port = bound_port(runner)
     log.info("mesh listening on http://%s:%d (%s mode)", cfg.host, port, "PD" if cfg.pd else "regular")
-    print(f"mesh http://{cfg.host}:{port}", flush=True)
+    print(f"mesh http://{cfg.host}:{port}" + (f" process {cfg.mesh_id}" if cfg.reuse_port else ""), flush=True)
     if announce:
         print(announce.format(host=cfg.host, port=port), flush=True)
     try:
@@ -125,7 +126,88 @@ def cmd_serve(a: argparse.Namespace) -> None:
         except ImportError as e:
             raise ConfigError(f"--otel needs opentelemetry-sdk (and the exporter OTEL_TRACES_EXPORTER names): "
                               f"{e}") from None
+    if a.workers > 1:
+        raise SystemExit(serve_processes(cfg, a.workers))
     run_until_stopped(lambda stop: serve_until(cfg, stop))
+
+
+def serve_processes(cfg: MeshConfig, n: int) -> int:
+    """`mesh serve --workers N`: N processes forked from this one, each a whole mesh on the same port
+    (SO_REUSEPORT: the kernel spreads connections), sharing nothing but the registry: each has its
+    own mesh id `<id>-<i>` (so its own ledger and `mesh/<id>` replica key: a process adopts and
+    reclaims only the transfers it made, and a process restarted under its id takes its own back),
+    its own admission limits (`--max-concurrency` is per process), its own health probes. /metrics,
+    from any of them, covers all (mesh/metrics.py). This process only forks, restarts a process
+    that dies (same index, same id), and passes SIGTERM / SIGINT on; it exits when they have."""
+    import dataclasses
+    import shutil
+    import signal
+    import socket
+    import tempfile
+    import time
+
+    if "prometheus_client" in sys.modules:   # its value class is chosen at import: the directory first
+        raise ConfigError("--workers: prometheus_client was imported before the processes were set up")
+    port_free(cfg.host, cfg.port)
+    port = cfg.port
+    if port == 0:   # one port for all: pick it here
+        with socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET) as s:
+            s.bind((cfg.host, 0))
+            port = s.getsockname()[1]
+    base = cfg.mesh_id or f"mesh-{socket.gethostname()}-{port}"
+    prom = tempfile.mkdtemp(prefix="atomesh-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom
+    stopping = False
+
+    def spawn(i: int) -> int:
+        pid = os.fork()
+        if pid == 0:   # the child: a whole mesh (nothing of the parent's runs here: no loop, no threads)
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                c = dataclasses.replace(cfg, port=port, mesh_id=f"{base}-{i}", reuse_port=True)
+                run_until_stopped(lambda stop: serve_until(c, stop))
+                code = 0
+            except BaseException:  # noqa: BLE001 - the child's end, said in its log; its exit status tells
+                log.exception("mesh process %d failed", i)
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        return pid
+
+    def forward(sig: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in list(procs):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    procs = {spawn(i): i for i in range(n)}
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    worst = 0
+    started: dict[int, float] = {}
+    try:
+        while procs:
+            pid, status = os.wait()
+            i = procs.pop(pid, None)
+            if i is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            if stopping:
+                worst = max(worst, abs(code))
+                continue
+            log.error("mesh process %d (%s-%d) exited with %d: starting it again", i, base, i, code)
+            if time.monotonic() - started.get(i, 0.0) < 5:   # dying at once again: do not spin
+                time.sleep(2)
+            started[i] = time.monotonic()
+            procs[spawn(i)] = i
+    finally:
+        shutil.rmtree(prom, ignore_errors=True)
+    return worst
 
 
 # -- workers table, bench ------------------------------------------------------------------
@@ -174,6 +256,8 @@ def add_commands(sub: Subcommands) -> None:
                 "mesh serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200")
     s.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     s.add_argument("--port", type=int, default=8000, help="0: a free port, printed at start")
+    s.add_argument("--workers", type=int, default=1, help="processes serving the port (SO_REUSEPORT), each with "
+                   "its own mesh id <id>-<n>, ledger and admission limits (--max-concurrency is per process)")
     s.add_argument("--prefill", action="append", metavar="URL", help="a prefill pipeline (stage-0 URL)")
     s.add_argument("--decode", action="append", metavar="URL", help="a decode engine (rank-0 URL)")
     s.add_argument("--worker", action="append", metavar="URL", help="a full worker (regular, non-PD mode)")

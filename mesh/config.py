@@ -58,6 +58,7 @@ class Timeouts:
 class MeshConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    reuse_port: bool = False                   # one of `mesh serve --workers N`'s processes (SO_REUSEPORT)
     prefill: tuple[Worker, ...] = ()
     decode: tuple[Worker, ...] = ()
     workers: tuple[Worker, ...] = ()           # regular (non-PD) mode

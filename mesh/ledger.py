@@ -244,8 +244,8 @@ class Ledger:
         for t in listing.transfers:
             held_ids.add(t.transfer_id)
             e = self.by_transfer.get(t.transfer_id)
-            if e is None and t.request_id:
-                e = self.open.get((w.id, t.request_id))
+            if e is None and t.request_id and t.mesh_id == self.mesh_id:   # never a sibling's or another
+                e = self.open.get((w.id, t.request_id))                     # replica's (same request id)
                 if e is not None and e.pipeline.id == w.id and e.look_until and not e.transfer_id:
                     # a prefill we cut off did hold KV after all: take it over and free it
                     e.transfer_id, e.blocks, e.held_at = t.transfer_id, t.blocks, now - t.age_s

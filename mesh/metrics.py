@@ -3,15 +3,28 @@
 Labelled children are cached in plain dicts so the hot path pays a dict lookup, not
 prometheus-client's label resolution. In-flight counts per worker are read at scrape time
 by a collector, so the request path only touches the mesh's own counter dict.
+
+`mesh serve --workers N` (several processes on one port, `PROMETHEUS_MULTIPROC_DIR` set by the
+parent before any of them imports prometheus-client): counters and histograms go to that
+directory's files per process and `/metrics`, whichever process answers, reports their sums over
+every process (prometheus-client's multiprocess mode). The live gauges (in flight per worker, held
+transfers, the leak alarm, the registry's staleness) are copied into multiprocess gauges by
+`sync_live()` once a second and on every scrape: summed over the processes, or their maximum where
+each process sees the same thing (the leak alarm, staleness, oldest transfer, healthy workers).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+import os
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+# live gauges summed over a multiprocess mesh's processes (the rest: their maximum)
+_SUMMED = {"atomesh_worker_in_flight", "atomesh_kv_held_transfers", "atomesh_kv_held_blocks",
+           "atomesh_registry_watch_restarts"}
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -99,12 +112,14 @@ class Metrics:
                                 ["leg"], registry=r)
         self._releases = Counter("atomesh_kv_release_requests", "POST /kv/release sent by the mesh",
                                  ["reason", "outcome"], registry=r)
-        self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r)
-        r.register(_InFlight(in_flight))
-        r.register(_Registry(registry))
-        r.register(_Ledger(ledger))
-        r.register(_Unaccounted(unaccounted))
-        r.register(_BadRequests())
+        self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r,
+                             multiprocess_mode="livemax")
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # else mirrored by sync_live()
+            r.register(_InFlight(in_flight))
+            r.register(_Registry(registry))
+            r.register(_Ledger(ledger))
+            r.register(_Unaccounted(unaccounted))
+            r.register(_BadRequests())
         self._terminal = Counter("atomesh_kv_terminal", "Transfers ended, by terminal state and reason",
                                  ["state", "reason"], registry=r)
         self._release_latency = Histogram("atomesh_kv_release_seconds", "Prefill done -> blocks freed",
@@ -116,6 +131,38 @@ class Metrics:
         self._unreclaimable = Counter("atomesh_kv_unreclaimable", "Orphaned transfers the mesh could not free",
                                       ["pipeline"], registry=r)
         self._cache: dict[tuple[object, ...], Any] = {}
+        self.exposed = r                     # what /metrics renders
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._live = (_InFlight(in_flight), _Registry(registry), _Ledger(ledger), _Unaccounted(unaccounted))
+        self._mirrors: dict[str, Gauge] = {}
+        self._mirrored: dict[str, set[tuple[str, ...]]] = {}
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            self.exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed)  # type: ignore[no-untyped-call]  # untyped upstream
+            self.exposed.register(_BadRequests())   # this process's parser refusals only
+
+    def sync_live(self) -> None:
+        """Multiprocess mode: this process's live gauges into the shared files (see the docstring)."""
+        if not self.multiprocess:
+            return
+        for c in self._live:
+            for fam in c.collect():
+                mode: Literal["livesum", "livemax"] = "livesum" if fam.name in _SUMMED else "livemax"
+                g = self._mirrors.get(fam.name)
+                labels = tuple(getattr(fam, "_labelnames", ()))
+                if g is None:
+                    g = self._mirrors[fam.name] = Gauge(fam.name, fam.documentation, labels, registry=None,
+                                                        multiprocess_mode=mode)
+                seen = set()
+                for smp in fam.samples:
+                    key = tuple(smp.labels[k] for k in g._labelnames)
+                    (g.labels(*key) if key else g).set(smp.value)
+                    seen.add(key)
+                for gone in self._mirrored.get(fam.name, set()) - seen:
+                    g.remove(*gone)
+                self._mirrored[fam.name] = seen
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
