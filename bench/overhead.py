@@ -131,7 +131,7 @@ class Client:
 
 
 async def run_one(client: Client, target: str, stream: bool, conc: int, seconds: float,
-                  mesh_proc: psutil.Process) -> Result:
+                  mesh_proc: Any) -> Result:
     fn = client.via_mesh if target == "mesh" else client.direct
     lat: list[float] = []
     ttft: list[float] = []
@@ -179,12 +179,15 @@ async def main(a: argparse.Namespace) -> list[Result]:
     results: list[Result] = []
     try:
         proc = psutil.Process(mesh.pid)
+        from bench.anchors import Tree
+
+        tree = Tree(mesh.pid)   # `--mesh-args "--workers N"`: the processes it forked count too
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
             for size in a.prompt_bytes:   # long prompts: JSON, one request at a time, each size in turn
                 client = Client(s, url, prefills, decodes, prompt_bytes=size)
                 for target in ("direct", "mesh"):
-                    r = await run_one(client, target, False, 1, a.seconds, proc)
+                    r = await run_one(client, target, False, 1, a.seconds, tree)
                     r.mode = f"json {size}B"
                     results.append(r)
                     print(f"prompt {size:8} B {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  errors {r.errors}"
@@ -200,7 +203,7 @@ async def main(a: argparse.Namespace) -> list[Result]:
             for stream in (False, True):
                 for conc in a.concurrency:
                     for target in ("direct", "mesh"):
-                        r = await run_one(client, target, stream, conc, a.seconds, proc)
+                        r = await run_one(client, target, stream, conc, a.seconds, tree)
                         results.append(r)
                         print(f"{r.mode:5} c={conc:<3} {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  "
                               f"p99 {r.p99_ms:7.2f} ms  ttft {r.ttft_p50_ms:7.2f} ms  errors {r.errors}"
