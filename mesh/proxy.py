@@ -12,6 +12,8 @@ Failure semantics:
 - decode fails before its first byte: another decode engine with the same params where the flow
   allows it (`retry_decode`), else a new pair; when none is left, an error, and the transfer is
   freed: released through the holder API, or drained (a one-token decode leg) where there is none.
+- decode stalls or drops before its first byte while the pipeline it pulls from is down (a stage
+  died under the pull): the decode's breaker is left alone (`Leg.source`).
 - decode answers `kv_transfer_failed` (it could not pull from the pipeline): the pipeline is
   blamed, not the decode engine, and the request is re-paired on another pipeline while nothing has
   reached the client (`retries` times).
@@ -315,7 +317,7 @@ class Proxy:
             if h.early:
                 early = await self._send_first_token(request, creq, pres, h, t0)
             t_open = time.time_ns()
-            leg, first = await self._open_leg("decode", dw, creq, data, dh, flow.retry_decode)
+            leg, first = await self._open_leg("decode", dw, creq, data, dh, flow.retry_decode, source=pw)
             self.fleet.succeeded(pw.id)  # the decode has its KV: the pipeline served well
             self._pulls.ok(leg.w.id)
             if span is not None:
@@ -374,7 +376,8 @@ class Proxy:
         pre = asyncio.ensure_future(self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill))
         if pspan is not None:
             pre.add_done_callback(lambda f: self._end(pspan, None if f.cancelled() else f.exception()))
-        dec = asyncio.ensure_future(self._open_leg("decode", dw, creq, orjson.dumps(dbody), dh, retry=False))
+        dec = asyncio.ensure_future(self._open_leg("decode", dw, creq, orjson.dumps(dbody), dh, retry=False,
+                                                   source=pw))
         try:
             done, _ = await asyncio.wait((pre, dec), return_when=asyncio.FIRST_COMPLETED)
             if dec not in done and pre.exception() is not None:
@@ -572,13 +575,13 @@ class Proxy:
     # -- the streamed leg -------------------------------------------------------------------
 
     async def _open_leg(self, role: str, w: Worker, creq: ClientRequest, data: bytes, headers: dict[str, str],
-                        retry: bool) -> tuple[Leg, bytes]:
+                        retry: bool, source: Worker | None = None) -> tuple[Leg, bytes]:
         """Open the streamed leg; with `retry`, a failure before the first byte moves it to another
         worker of the same dialect (`decode_retries` times). A KVSourceLost is never retried here:
         another decode engine would pull from the same source."""
         tried: tuple[Worker, ...] = ()
         while True:
-            leg = self.up.open(role, w)
+            leg = self.up.open(role, w, source)
             try:
                 first = await leg.send(creq.path, data, headers, first_byte=self.cfg.timeouts.decode_first_byte,
                                        stream=creq.stream, idle=self.cfg.timeouts.decode_idle)

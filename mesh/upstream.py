@@ -78,10 +78,11 @@ class Leg:
     every failure is mapped here, once, onto the mesh's errors (with `may_hold_kv` declared by what
     happened) and reported to the metrics and the worker's breaker."""
 
-    __slots__ = ("up", "role", "w", "resp", "_open")
+    __slots__ = ("up", "role", "w", "source", "resp", "_open")
 
-    def __init__(self, up: "Upstream", role: str, w: Worker) -> None:
-        self.up, self.role, self.w = up, role, w
+    def __init__(self, up: "Upstream", role: str, w: Worker, source: Worker | None = None) -> None:
+        """`source`: a PD decode leg's KV source (the prefill pipeline it pulls from)."""
+        self.up, self.role, self.w, self.source = up, role, w, source
         self.resp: H1Response | None = None
         flight = up.fleet.in_flight
         flight[w.id] = flight.get(w.id, 0) + 1
@@ -101,6 +102,10 @@ class Leg:
                 self.resp.close()
 
     def failed(self, kind: str, passive: bool = True) -> None:
+        # a decode that stalls or drops while its KV source is down (a stage died under its pull)
+        # is not the decode's fault: its breaker is left alone (the pipeline's probe takes that out)
+        if passive and self.source is not None and not self.up.fleet.healthy(self.source.id):
+            passive = False
         self.up.failed(self.role, self.w, kind, passive)
 
     def ok(self) -> None:
@@ -190,9 +195,9 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
-    def open(self, role: str, w: Worker) -> Leg:
-        """A leg to `w`, counted in flight until it is closed."""
-        return Leg(self, role, w)
+    def open(self, role: str, w: Worker, source: Worker | None = None) -> Leg:
+        """A leg to `w`, counted in flight until it is closed (`source`: see `Leg`)."""
+        return Leg(self, role, w, source)
 
     def failed(self, leg: str, w: Worker, kind: str, passive: bool = True) -> None:
         self.metrics.upstream_error(leg, kind)

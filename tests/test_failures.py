@@ -99,6 +99,29 @@ async def test_decode_timeout_before_first_byte(make_pd, http):
     assert await pd.wait_released() == 0
 
 
+@pytest.mark.parametrize("pipeline_down", [False, True])
+async def test_a_decode_stalled_while_its_pipeline_is_down_is_not_charged(make_pd, http, pipeline_down):
+    """A decode that sends nothing before the first-byte timeout counts against its breaker, unless
+    the pipeline it pulls from went down meanwhile (a stage died under its pull: the decode waits on
+    a dead peer, and charging it would take the fleet's healthy decode engines out one by one)."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1), timeouts=Timeouts(decode_first_byte=0.5))
+    pd.fleet.decodes[0].faults = MockFaults(hang=True)
+    fleet = pd.state.fleet
+    deadline = time.monotonic() + 5
+    while not fleet.table.candidates("decode", "mock-model"):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    pid, did = pd.fleet.prefills[0].id, pd.fleet.decodes[0].id
+    req = asyncio.ensure_future(post(http, pd.url))
+    await asyncio.sleep(0.2)        # the prefill has answered; the decode leg hangs
+    if pipeline_down:
+        while fleet.healthy(pid):   # its breaker opens, as its probes or other requests would open it
+            fleet.mark_failed(pid)
+    code, raw = await req
+    assert code == 504 and err(raw)["code"] == "upstream_timeout"
+    assert fleet._fails.get(did, 0) == (0 if pipeline_down else 1)
+
+
 async def test_decode_dies_mid_stream_ends_with_error_event(make_pd, http):
     pd = await make_pd()
     pd.fleet.decodes[0].faults = MockFaults(die_after_tokens=3)

@@ -91,7 +91,9 @@ async def nothing_held(prefills: list[str], app, timeout: float = 15) -> None:
 async def test_sigkill_of_a_prefill_stage_mid_prefill(ckpt):
     a = await asyncio.to_thread(worker, "prefill", ckpt, "--pp-size", "2")
     b = await asyncio.to_thread(worker, "prefill", ckpt, "--pp-size", "2")
-    d = await asyncio.to_thread(worker, "decode", ckpt)
+    # a pull from the dead stage ends (kv_transfer_failed, charged to the pipeline) before the mesh's
+    # 3 s decode first-byte timeout would charge the decode engine
+    d = await asyncio.to_thread(worker, "decode", ckpt, "--pull-deadline", "2")
     urls = [p.lines[-2].split()[1] for p in (a, b)]
     app, runner, url = await mesh_over(urls, [d.lines[-2].split()[1]])
     try:

@@ -283,3 +283,7 @@ def add_commands(sub: Subcommands) -> None:
                  "mesh decode --checkpoint ./ckpt --tp-size 2 --kv-backend zmq --etcd http://127.0.0.1:2379")
     add_worker_options(dc)
     dc.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each")
+    dc.add_argument("--pull-deadline", type=float, default=30.0,
+                    help="seconds a KV pull may take before the decode answers kv_transfer_failed (keep it under "
+                         "the mesh's decode_first_byte: a pipeline that died under a pull is then blamed, not "
+                         "this engine)")

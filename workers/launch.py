@@ -47,6 +47,7 @@ class WorkerConfig:
     partition: str | None = None      # prefill: layers per stage
     remote_stages: int | None = None  # prefill: the port remote stages join on
     kv_ttl: float = 120.0             # prefill: seconds a transfer is held without release
+    pull_deadline: float = 30.0       # decode: seconds a KV pull may take before kv_transfer_failed
     lease_ttl: int = 10               # etcd lease
     devices: tuple[str, ...] = ("cpu",)   # one per stage / rank
     engine: EngineConfig = EngineConfig()   # of stage 0 / rank 0 (its device: devices[0])
@@ -87,10 +88,13 @@ def worker_config(role: str, a: Any, etcd: EtcdConfig | None) -> WorkerConfig:
                            max_batch_tokens=a.max_batch_tokens, dtype=a.dtype, device=devs[0])
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if getattr(a, "pull_deadline", 30.0) <= 0:
+        raise ConfigError("--pull-deadline must be > 0 seconds")
     return WorkerConfig(role=role, checkpoint=a.checkpoint, model=a.model or Path(a.checkpoint).name, host=a.host,
                         port=a.port, id=a.id or "", kv_backend=a.kv_backend, pp_size=pp_size, tp_size=a.tp_size,
                         partition=getattr(a, "partition", None), remote_stages=remote,
-                        kv_ttl=getattr(a, "kv_ttl", 120.0), lease_ttl=a.ttl, devices=devs, engine=eng,
+                        kv_ttl=getattr(a, "kv_ttl", 120.0), pull_deadline=getattr(a, "pull_deadline", 30.0),
+                        lease_ttl=a.ttl, devices=devs, engine=eng,
                         faults=faults, etcd=etcd)
 
 
@@ -139,7 +143,8 @@ async def serve_worker(c: WorkerConfig, stop: asyncio.Event) -> int:
         engine = TPEngine(c.checkpoint, cfg, c.tp_size, kv_backend=c.kv_backend, kv_host=c.host, devices=devs,
                           rank_startup=rank_hooks.startup)
         wid = c.id or opaque_id("decode", c.host, c.port)
-        server = DecodeServer(engine, model, wid, kv_backend=c.kv_backend, host=c.host, token=token)
+        server = DecodeServer(engine, model, wid, kv_backend=c.kv_backend, host=c.host, token=token,
+                              pull_deadline_s=c.pull_deadline)
     if faults is not None:
         log.warning("%s injects faults on purpose: %s", wid, faults)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)

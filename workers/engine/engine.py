@@ -205,13 +205,16 @@ class Engine:
             if not w.want_logits:
                 continue
             seq = w.seq
-            if self.captured is not None and not seq.output:
-                self.captured[seq.id] = logits[row].clone()
-            x = logits[row]
-            if len(seq.output) < seq.params.min_tokens:  # as vLLM's min_tokens: the stop tokens are masked
-                x = x.clone()
-                x[[self.model_cfg.eos_token_id, *seq.params.stop_token_ids]] = float("-inf")
-            t = greedy[row] if greedy is not None else sample(x, seq.params, seq.generator)
+            if greedy is not None:   # the batch's greedy tokens, taken on the device: no row views
+                t = greedy[row]
+            else:
+                if self.captured is not None and not seq.output:
+                    self.captured[seq.id] = logits[row].clone()
+                x = logits[row]
+                if len(seq.output) < seq.params.min_tokens:  # as vLLM's min_tokens: the stop tokens are masked
+                    x = x.clone()
+                    x[[self.model_cfg.eos_token_id, *seq.params.stop_token_ids]] = float("-inf")
+                t = sample(x, seq.params, seq.generator)
             k = seq.params.logprobs
             lps = None if k is None else [logprob_of(logits[row], t, k)]
             row += 1

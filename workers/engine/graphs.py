@@ -18,6 +18,7 @@ buffer upload and one replay.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import torch
@@ -107,7 +108,10 @@ class DecodeGraphs:
             lens[i] = p + 1
             table[i * nb:i * nb + len(bl)] = bl
         graph, buf, out = self._get(B, nb)
-        buf.copy_(torch.tensor(ids + pos + slots + lens + table, dtype=torch.long), non_blocking=True)
+        # array -> tensor without a per-element conversion (torch.tensor of a 2,800-int list at batch
+        # 64 was ~0.2 ms of host time per step)
+        host = torch.frombuffer(array("q", ids + pos + slots + lens + table), dtype=torch.long)
+        buf.copy_(host, non_blocking=True)
         self.replays += 1
         if graph is None:
             return self._fn(buf, B, nb)[:n]
