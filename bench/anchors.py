@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -91,12 +90,6 @@ class Tree:
                 pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def wait_serving(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes],
                        timeout: float = 90) -> None:
     """Until a completion through `url` answers 200 (the router found and checked its workers)."""
@@ -119,6 +112,8 @@ async def wait_serving(session: aiohttp.ClientSession, url: str, proc: subproces
 
 def start_router(bindir: Path, kind: str, prefills: list[str],
                  decodes: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    from workers.engine.group import free_port  # (imports torch: only here, not for Tree's users)
+
     port, prom = free_port(), free_port()
     if kind == "sglang-router":
         cmd = [str(bindir / "sglang-router"), "launch", "--pd-disaggregation"]

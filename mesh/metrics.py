@@ -114,11 +114,11 @@ class Metrics:
                                  ["reason", "outcome"], registry=r)
         self.healthy = Gauge("atomesh_workers_healthy", "Healthy workers by role", ["role"], registry=r,
                              multiprocess_mode="livemax")
-        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # else mirrored by sync_live()
-            r.register(_InFlight(in_flight))
-            r.register(_Registry(registry))
-            r.register(_Ledger(ledger))
-            r.register(_Unaccounted(unaccounted))
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._live = (_InFlight(in_flight), _Registry(registry), _Ledger(ledger), _Unaccounted(unaccounted))
+        if not self.multiprocess:   # else mirrored by sync_live()
+            for c in self._live:
+                r.register(c)
             r.register(_BadRequests())
         self._terminal = Counter("atomesh_kv_terminal", "Transfers ended, by terminal state and reason",
                                  ["state", "reason"], registry=r)
@@ -132,8 +132,6 @@ class Metrics:
                                       ["pipeline"], registry=r)
         self._cache: dict[tuple[object, ...], Any] = {}
         self.exposed = r                     # what /metrics renders
-        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        self._live = (_InFlight(in_flight), _Registry(registry), _Ledger(ledger), _Unaccounted(unaccounted))
         self._mirrors: dict[str, Gauge] = {}
         self._mirrored: dict[str, set[tuple[str, ...]]] = {}
         if self.multiprocess:

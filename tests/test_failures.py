@@ -120,6 +120,7 @@ async def test_a_decode_stalled_while_its_pipeline_is_down_is_not_charged(make_p
     code, raw = await req
     assert code == 504 and err(raw)["code"] == "upstream_timeout"
     assert fleet._fails.get(did, 0) == (0 if pipeline_down else 1)
+    assert await pd.wait_released() == 0
 
 
 async def test_decode_dies_mid_stream_ends_with_error_event(make_pd, http):
