@@ -82,6 +82,7 @@ def fake_logprob(t: int, k: int) -> Logprob:
 class FakeTokenizer:
     """One token per UTF-8 byte of a prompt; token t's text is " t<t>" (a piece of its own)."""
     eos_id: int | None = None
+    encode_below = 256
     pieces = True      # decode(ids) == "".join(decode([i]) for i in ids): text per token, no state
 
     def encode(self, text: str) -> list[int]:

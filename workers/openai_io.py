@@ -91,12 +91,13 @@ def parse(kind: str, body: Any, tok: Tokenizer, vocab: int, max_model_len: int) 
         raise InvalidRequest("request body must be a JSON object")
     _check_supported(body)
     text = ""
+    given = False   # token ids from the client (not from the tokenizer): range-checked below
     if kind == "completions":
         p = body.get("prompt")
         if isinstance(p, str) and p:
             ids, text = tok.encode(p), p
         elif isinstance(p, list) and p and all(type(t) is int for t in p):
-            ids = list(p)
+            ids, given = list(p), True
         elif isinstance(p, list) and len(p) == 1 and isinstance(p[0], str) and p[0]:
             ids, text = tok.encode(p[0]), p[0]
         else:
@@ -109,7 +110,7 @@ def parse(kind: str, body: Any, tok: Tokenizer, vocab: int, max_model_len: int) 
         ids = tok.encode(render_chat(ms))
     if not ids:
         raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
-    if min(ids) < 0 or max(ids) >= vocab:
+    if (given or not 0 < getattr(tok, "encode_below", 0) <= vocab) and (min(ids) < 0 or max(ids) >= vocab):
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     mt = 16 if mt is None else mt

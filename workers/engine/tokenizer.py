@@ -8,6 +8,9 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_id: int | None
+    # every id `encode` gives is below this (0: unknown): the adapters skip their range check of
+    # tokenized prompts where it is within the model's vocabulary
+    encode_below: int
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -16,6 +19,7 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     """Token i < 256 is byte i; ids 256+ are specials (bos, eos) and decode to nothing."""
+    encode_below = 256
 
     def __init__(self, bos_id: int | None = 256, eos_id: int | None = 257) -> None:
         self.bos_id, self.eos_id = bos_id, eos_id
@@ -28,6 +32,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
+    encode_below = 0   # a tokenizer.json may hold added tokens past the model's embedding
+
     def __init__(self, path: Path, eos_id: int | None) -> None:
         from tokenizers import Tokenizer as _T
 
