@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -37,6 +38,17 @@ def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
 
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(wrapper())
+
+
+def settle_gc() -> None:
+    """For a serving process, once it has started: what start-up made (modules, the app, a fleet's
+    engines) stays for good, out of the collector's sight, so a collection scans only what requests
+    leave; and young collections ~70x rarer (threshold 700 -> 50,000), so the objects of requests in
+    flight (a long prompt's block-id lists among them) are not promoted and rescanned at every turn.
+    Cycles are still collected, 50,000 allocations apart (the 10-minute RSS run stays flat)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 class Help(argparse.RawDescriptionHelpFormatter):

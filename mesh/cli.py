@@ -26,6 +26,7 @@ from contract.clikit import (
     loopback,
     port_free,
     run_until_stopped,
+    settle_gc,
 )
 from contract.errors import ConfigError
 from mesh.admission import AdmissionConfig
@@ -106,6 +107,7 @@ async def serve_until(cfg: MeshConfig, stop: asyncio.Event, announce: str | None
                     cfg.host)
     runner = await start_site(create_app(cfg), cfg.host, cfg.port, reuse_port=cfg.reuse_port)
     port = bound_port(runner)
+    settle_gc()   # bench/overhead.py --prompt-bytes: a tenth of a long prompt's CPU went to collections
     log.info("mesh listening on http://%s:%d (%s mode)", cfg.host, port, "PD" if cfg.pd else "regular")
     print(f"mesh http://{cfg.host}:{port}" + (f" process {cfg.mesh_id}" if cfg.reuse_port else ""), flush=True)
     if announce:

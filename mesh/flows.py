@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from contract.dialects import ATOM, DEFAULT_BOOTSTRAP_PORT, SGLANG, VLLM, VLLM_MOONCAKE, one_token
 from contract.errors import InvalidRequest, ProtocolError, UpstreamClientError, UpstreamError
 from contract.protocol import FIRST_TOKEN_EARLY, HOLDER_API, KVRequestParams, PrefillRecord
@@ -63,13 +65,67 @@ def _int(v: Any) -> bool:
     return type(v) is int
 
 
-_INT_ONLY = frozenset((int,))
-
-
 def _ints(xs: list[Any]) -> bool:
-    """Every item an int (not a bool): the types collected at C speed (a 1 MB prompt's 62,500 block
-    ids in ~1 ms, a third of a per-item generator's time)."""
-    return set(map(type, xs)) <= _INT_ONLY
+    """Every item an integer, at C speed: JSON gives ints, floats, strings, null, arrays, objects;
+    summing raises on the last four and turns float. A 1 MB prompt's 62,500 block ids in ~0.3 ms,
+    a quarter of collecting their types. Booleans (ints to Python) pass here: the decode's own
+    check of the hand-off (contract.protocol) refuses them."""
+    try:
+        return type(sum(xs)) is int
+    except TypeError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class RawBlockIds:
+    """A prefill answer's `remote_block_ids`, kept as the JSON bytes it came in (checked to be an
+    array of non-negative integers in compact form) and forwarded to the decode verbatim
+    (`orjson.Fragment`): a long prompt's tens of thousands of ids are never made into Python ints,
+    checked one by one, encoded again and freed (bench/overhead.py --prompt-bytes)."""
+    json: orjson.Fragment
+    count: int
+
+
+_IDS_KEY = b'"remote_block_ids":'
+
+
+def lift_block_ids(data: bytes) -> tuple[bytes, RawBlockIds | None]:
+    """`data` (a prefill's JSON answer) with its one `"remote_block_ids":[...]` array replaced by
+    `0`, and that array; or `data` unchanged and None where the array is not there once, in compact
+    form, of integers without leading zeros (the caller then parses `data` whole and checks it as
+    before). The key inside a JSON string would read `\\"remote_block_ids\\"`: no match."""
+    i = data.find(_IDS_KEY)
+    if i < 0 or data.find(_IDS_KEY, i + 1) >= 0:
+        return data, None
+    s = i + len(_IDS_KEY)
+    if data[s:s + 1] != b"[":
+        return data, None
+    e = data.find(b"]", s)
+    if e < 0:
+        return data, None
+    inner = data[s + 1:e]
+    if inner:
+        if inner.translate(None, b"0123456789,") or b",," in inner or inner[:1] == b"," or inner[-1:] == b",":
+            return data, None
+        if inner[:1] == b"0" and inner[1:2] not in (b",", b""):
+            return data, None
+        z = inner.find(b",0")
+        while z >= 0:   # a leading zero is not JSON
+            if inner[z + 2:z + 3] not in (b",", b""):
+                return data, None
+            z = inner.find(b",0", z + 2)
+    count = inner.count(b",") + 1 if inner else 0
+    return data[:s] + b"0" + data[e + 1:], RawBlockIds(orjson.Fragment(data[s:e + 1]), count)
+
+
+def place_block_ids(answer: dict[str, Any], ids: RawBlockIds) -> bool:
+    """Put the lifted array back where it was taken from; False when the placeholder is not at
+    `kv_transfer_params.remote_block_ids` (the key stood elsewhere: parse the answer whole)."""
+    kvp = answer.get("kv_transfer_params")
+    if not isinstance(kvp, dict) or kvp.get("remote_block_ids", None) != 0 or type(kvp["remote_block_ids"]) is not int:
+        return False
+    kvp["remote_block_ids"] = ids
+    return True
 
 
 def _registered_stages(raw: dict[str, Any], pw: Worker) -> None:
@@ -100,6 +156,7 @@ def _registered_stages(raw: dict[str, Any], pw: Worker) -> None:
 
 class Flow:
     dialect = ""
+    lift_block_ids = False   # the prefill's block ids forwarded as JSON bytes (`RawBlockIds`)
     concurrent = False    # both legs at once, meeting on a rendezvous (SGLang)
     retry_decode = True
     fanout = True
@@ -143,6 +200,7 @@ class AtomFlow(Flow):
 
     dialect = ATOM
     drains = True
+    lift_block_ids = True
 
     def tracked(self, pipeline: Worker) -> bool:
         return pipeline.has(HOLDER_API)
@@ -167,7 +225,11 @@ class AtomFlow(Flow):
             raise ProtocolError(f"kv_transfer_params.transfer_id must be a JSON scalar, got {tid!r}",
                                 param="kv_transfer_params.transfer_id")
         ids = raw.get("remote_block_ids")
-        if not isinstance(ids, list) or not _ints(ids):
+        if isinstance(ids, RawBlockIds):   # checked as it was lifted
+            n_blocks = ids.count
+        elif isinstance(ids, list) and _ints(ids):
+            n_blocks = len(ids)
+        else:
             raise ProtocolError("kv_transfer_params.remote_block_ids must be an array of integers",
                                 param="kv_transfer_params.remote_block_ids")
         ft = raw.get("first_token_id")
@@ -176,6 +238,8 @@ class AtomFlow(Flow):
                                 param="kv_transfer_params.first_token_id")
         _registered_stages(raw, pw)
         params = dict(raw)   # every field of the prefill, types unchanged
+        if isinstance(ids, RawBlockIds):
+            params["remote_block_ids"] = ids.json
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False
         # ATOM router `enrich_decode_kv`: what the decode's ReqMeta needs and the prefill omits
@@ -195,7 +259,7 @@ class AtomFlow(Flow):
                 params["first_token_early"] = True
         body = _stop_as_list(dict(creq.body))
         body["kv_transfer_params"] = params
-        return Handoff(body, params, str(tid), len(ids), ft, early)
+        return Handoff(body, params, str(tid), n_blocks, ft, early)
 
     def drain_body(self, creq: ClientRequest, h: Handoff, ctx: Bootstrap | None = None) -> dict[str, Any] | None:
         out = _stop_as_list(self._one_token(creq.body))

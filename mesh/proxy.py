@@ -270,7 +270,8 @@ class Proxy:
         headers = self._headers(request, creq)
         span, ph = self._span("prefill", creq, pw, headers)
         pbody = flow.prefill_body(creq, pw, dw, self.mesh_id)
-        call = self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill)
+        call = self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill,
+                                                lift=flow.lift_block_ids)
         # an engine without a release API keeps what a cut prefill held: let it finish, then drain
         job = asyncio.ensure_future(call) if drains else None
         try:

@@ -155,7 +155,6 @@ def _check_messages(ms: Any) -> None:
                     raise _bad(f"messages[{i}].content[{j}]", "must be an object with a string 'type'")
 
 
-MAX_NESTING = 200   # brackets in a body below which it surely re-encodes (orjson's limit is 255 levels)
 
 
 def parse(kind: Kind, raw: bytes, limits: Limits, *, request_id: str | None = None,
@@ -171,11 +170,10 @@ def parse(kind: Kind, raw: bytes, limits: Limits, *, request_id: str | None = No
         raise _bad("", f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise _bad("", f"request body must be a JSON object, got {_type(body)}")
-    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:  # cheap first: only then re-encode to be sure
-        try:
-            orjson.dumps(body)   # what the legs do with it: orjson stops at 255 levels
-        except orjson.JSONEncodeError:
-            raise _bad("", "request body is nested too deeply to forward") from None
+    try:   # what the legs do with it (orjson stops at 255 levels): at memory speed, cheaper than
+        orjson.dumps(body)   # counting brackets in the raw bytes (a 220 kB prompt: 6 us against 120)
+    except orjson.JSONEncodeError:
+        raise _bad("", "request body is nested too deeply to forward") from None
 
     model = body.get("model")
     if not isinstance(model, str) or not model:

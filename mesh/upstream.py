@@ -28,7 +28,7 @@ from contract.errors import (
 from contract.snapshot import Worker
 from mesh.config import Timeouts
 from mesh.fleet import Fleet
-from mesh.flows import Bootstrap, bootstrap_addr, parse_bootstrap
+from mesh.flows import Bootstrap, bootstrap_addr, lift_block_ids, parse_bootstrap, place_block_ids
 from mesh.h1 import IDLE_S, H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
 
@@ -148,14 +148,25 @@ class Leg:
                                     may_hold_kv=not connect) from None
             raise
 
-    async def json(self, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
-        """POST a JSON body and return the JSON object of its 2xx answer; the leg is closed after."""
+    async def json(self, path: str, body: dict[str, Any], headers: dict[str, str], timeout: float, *,
+                   lift: bool = False) -> dict[str, Any]:
+        """POST a JSON body and return the JSON object of its 2xx answer; the leg is closed after.
+        `lift`: the answer's `kv_transfer_params.remote_block_ids` stays JSON bytes where it can
+        (`mesh.flows.RawBlockIds`)."""
         try:
             data = await self.send(path, orjson.dumps(body), headers, first_byte=timeout, stream=False)
         finally:
             self.close()
         try:
-            out = orjson.loads(data)
+            ids = None
+            if lift:
+                short, ids = lift_block_ids(data)
+                if ids is not None:
+                    out = orjson.loads(short)
+                    if not (isinstance(out, dict) and place_block_ids(out, ids)):
+                        ids = None
+            if ids is None:
+                out = orjson.loads(data)
         except orjson.JSONDecodeError:
             self.failed("garbage")
             raise UpstreamError(f"{self.role} worker {self.w.id} answered with a body that is not JSON") from None

@@ -25,14 +25,18 @@ PREFILL_KV = {
 class Recorder:
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict, dict]] = []
+        self.compact = False   # the prefill answers compact JSON (orjson, as this project's workers do)
 
     def app(self, role: str) -> web.Application:
         async def handle(request: web.Request) -> web.StreamResponse:
             body = orjson.loads(await request.read())
             self.seen.append((role + request.path, request.headers.copy(), body))
             if role == "prefill":
-                return web.json_response({"id": "p", "object": "text_completion", "choices": [
-                    {"index": 0, "text": " t42", "finish_reason": "length"}], "kv_transfer_params": PREFILL_KV})
+                ans = {"id": "p", "object": "text_completion", "choices": [
+                    {"index": 0, "text": " t42", "finish_reason": "length"}], "kv_transfer_params": PREFILL_KV}
+                if self.compact:
+                    return web.Response(body=orjson.dumps(ans), content_type="application/json")
+                return web.json_response(ans)   # json.dumps: '"remote_block_ids": [4, 5, 6]'
             if body.get("stream"):
                 r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await r.prepare(request)
@@ -79,9 +83,13 @@ async def recorded():
         await r.cleanup()
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["spaced", "compact"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_legs_carry_the_protocol(recorded, http, path):
+async def test_legs_carry_the_protocol(recorded, http, path, compact):
+    """Compact answers take the lifted path for the block ids (mesh.flows.lift_block_ids), spaced
+    ones the whole parse: the decode leg gets the same fields either way."""
     rec, url, urls = recorded
+    rec.compact = compact
     body = {"model": "m", "max_tokens": 30, "max_completion_tokens": 20, "stream": True,
             "stream_options": {"include_usage": True}, "client_field": {"k": "v"}}
     body.update({"prompt": "hello"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})
@@ -141,3 +149,48 @@ async def test_first_token_early_keeps_the_bytes(make_pd, http, kind, max_tokens
             got.append(re.sub(rb'"created":\d+', b'"created":0', await r.read()))
     assert got[0] == got[1]
     assert got[0].endswith(b"data: [DONE]\n\n") and got[0].count(b'"finish_reason":"length"') == 1
+
+
+@pytest.mark.parametrize("data,ids", [
+    (b'{"kv_transfer_params":{"remote_block_ids":[3,10,0,7],"x":1}}', b"[3,10,0,7]"),
+    (b'{"kv_transfer_params":{"remote_block_ids":[]}}', b"[]"),
+    (b'{"kv_transfer_params":{"remote_block_ids":[0]}}', b"[0]"),
+    (b'{"kv_transfer_params":{"remote_block_ids": [1, 2]}}', None),        # not compact: parsed whole
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,-2]}}', None),         # not a block id
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,2.5]}}', None),
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,"2"]}}', None),
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,,2]}}', None),
+    (b'{"kv_transfer_params":{"remote_block_ids":[,1]}}', None),
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,]}}', None),
+    (b'{"kv_transfer_params":{"remote_block_ids":[01,2]}}', None),          # leading zeros are not JSON
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,02]}}', None),
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,{"a":2}]}}', None),
+    (b'{"a":{"remote_block_ids":[1]},"kv_transfer_params":{"remote_block_ids":[2]}}', None),  # twice
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,2}', None),             # never closed
+])
+def test_lift_block_ids_takes_only_clean_compact_arrays(data, ids):
+    from mesh.flows import RawBlockIds, lift_block_ids, place_block_ids
+
+    short, got = lift_block_ids(data)
+    if ids is None:
+        assert got is None and short == data
+        return
+    assert isinstance(got, RawBlockIds) and orjson.dumps(got.json) == ids
+    assert got.count == len(orjson.loads(ids))
+    out = orjson.loads(short)
+    assert place_block_ids(out, got) and out["kv_transfer_params"]["remote_block_ids"] is got
+    # forwarded verbatim
+    assert orjson.loads(orjson.dumps({"ids": got.json})) == {"ids": orjson.loads(ids)}
+
+
+def test_lifted_key_elsewhere_falls_back_to_the_whole_parse():
+    """The key once, but not under kv_transfer_params (or inside a string, where it is escaped):
+    the placeholder is not where the hand-off reads, so the answer is parsed whole."""
+    from mesh.flows import lift_block_ids, place_block_ids
+
+    data = b'{"choices":[{"remote_block_ids":[1,2]}],"kv_transfer_params":{"transfer_id":"t"}}'
+    short, got = lift_block_ids(data)
+    assert got is not None and not place_block_ids(orjson.loads(short), got)
+    quoted = orjson.dumps({"text": '"remote_block_ids":[1]', "kv_transfer_params": {"remote_block_ids": [5]}})
+    short, got = lift_block_ids(quoted)
+    assert got is not None and orjson.dumps(got.json) == b"[5]" and orjson.loads(short)["text"] == '"remote_block_ids":[1]'

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import sys
 from typing import Any
@@ -17,6 +16,7 @@ from contract.clikit import (
     etcd_config,
     opaque_worker_id,
     run_until_stopped,
+    settle_gc,
 )
 from contract.dialects import ATOM, DIALECTS, SGLANG, VLLM, VLLM_MOONCAKE
 from contract.errors import ConfigError
@@ -43,14 +43,8 @@ def cmd_mock_fleet(a: argparse.Namespace) -> None:
     async def main(stop: asyncio.Event) -> None:
         fleet = MockFleet(spec)
         await fleet.start()
-        # what start-up made (modules, torch's among them: the fake engine is an Engine) stays for
-        # good: out of the collector's sight, so a collection scans only what requests leave; and
-        # young collections 70x rarer (threshold 700 -> 50,000), so the objects of requests in flight
-        # are not promoted and rescanned at every turn. A benchmark tool's CPU belongs to the requests
-        # (bench/fleet_cpu.py: JSON at c=16 went from 1.21x to 1.10x of the old mock's CPU with these)
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 100)
+        # bench/fleet_cpu.py: JSON at c=16 went from 1.21x to 1.10x of the old mock's CPU with this
+        settle_gc()
         enrolled = await fleet.enroll(etcd_config(a), ttl=a.ttl) if a.etcd else []
         try:
             for w in fleet.prefills:
