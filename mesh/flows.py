@@ -48,6 +48,7 @@ class Handoff:
     blocks: int = 0
     first_token_id: int | None = None
     early: bool = False             # the mesh sends the role chunk and token 0 before the decode leg
+    lifted: RawBlockIds | None = None   # the block ids went on as the prefill's bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +79,21 @@ def _ints(xs: list[Any]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class RawBlockIds:
-    """A prefill answer's `remote_block_ids`, kept as the JSON bytes it came in (checked to be an
-    array of non-negative integers in compact form) and forwarded to the decode verbatim
-    (`orjson.Fragment`): a long prompt's tens of thousands of ids are never made into Python ints,
-    checked one by one, encoded again and freed (bench/overhead.py --prompt-bytes)."""
-    json: orjson.Fragment
+    """A prefill answer's `remote_block_ids`, kept as the JSON bytes it came in and forwarded to
+    the decode verbatim (`json`, an `orjson.Fragment`): a long prompt's tens of thousands of ids
+    are never made into Python ints, checked one by one, encoded again and freed
+    (bench/overhead.py --prompt-bytes)."""
+    raw: bytes
     count: int
+    json: orjson.Fragment
+
+    def valid(self) -> bool:
+        """The whole JSON check (what `lift_block_ids` leaves to the decode's parser)."""
+        try:
+            xs = orjson.loads(self.raw)
+        except orjson.JSONDecodeError:
+            return False
+        return isinstance(xs, list) and _ints(xs) and len(xs) == self.count
 
 
 _IDS_KEY = b'"remote_block_ids":'
@@ -91,31 +101,29 @@ _IDS_KEY = b'"remote_block_ids":'
 
 def lift_block_ids(data: bytes) -> tuple[bytes, RawBlockIds | None]:
     """`data` (a prefill's JSON answer) with its one `"remote_block_ids":[...]` array replaced by
-    `0`, and that array; or `data` unchanged and None where the array is not there once, in compact
-    form, of integers without leading zeros (the caller then parses `data` whole and checks it as
-    before). The key inside a JSON string would read `\\"remote_block_ids\\"`: no match."""
+    `0`, and that array; or `data` unchanged and None where the key is not there once or its array
+    is not compact digits and commas (the caller then parses `data` whole, as before). The key
+    inside a JSON string would read `\\"remote_block_ids\\"`: no match. Checked here at memory speed:
+    one key, the brackets, nothing but digits and commas, no comma first or last. Not checked here
+    (two-byte searches cost as much as the parse saved): an empty element (`1,,2`) or a leading
+    zero (`01`); such an array makes the decode leg's body invalid JSON, which the decode refuses
+    before it touches KV, and the mesh then blames the prefill (`RawBlockIds.valid`, in
+    `mesh.proxy`), as the whole parse would have."""
     i = data.find(_IDS_KEY)
-    if i < 0 or data.find(_IDS_KEY, i + 1) >= 0:
+    if i < 0:
         return data, None
     s = i + len(_IDS_KEY)
     if data[s:s + 1] != b"[":
         return data, None
     e = data.find(b"]", s)
-    if e < 0:
+    if e < 0 or data.find(_IDS_KEY, e) >= 0:   # (between i and e: only digits and commas, checked below)
         return data, None
     inner = data[s + 1:e]
-    if inner:
-        if inner.translate(None, b"0123456789,") or b",," in inner or inner[:1] == b"," or inner[-1:] == b",":
-            return data, None
-        if inner[:1] == b"0" and inner[1:2] not in (b",", b""):
-            return data, None
-        z = inner.find(b",0")
-        while z >= 0:   # a leading zero is not JSON
-            if inner[z + 2:z + 3] not in (b",", b""):
-                return data, None
-            z = inner.find(b",0", z + 2)
-    count = inner.count(b",") + 1 if inner else 0
-    return data[:s] + b"0" + data[e + 1:], RawBlockIds(orjson.Fragment(data[s:e + 1]), count)
+    commas = inner.translate(None, b"0123456789")   # the separators, and anything that is no digit
+    if inner and (commas.translate(None, b",") or inner[:1] == b"," or inner[-1:] == b","):
+        return data, None
+    raw = data[s:e + 1]
+    return data[:s] + b"0" + data[e + 1:], RawBlockIds(raw, len(commas) + 1 if inner else 0, orjson.Fragment(raw))
 
 
 def place_block_ids(answer: dict[str, Any], ids: RawBlockIds) -> bool:
@@ -259,7 +267,8 @@ class AtomFlow(Flow):
                 params["first_token_early"] = True
         body = _stop_as_list(dict(creq.body))
         body["kv_transfer_params"] = params
-        return Handoff(body, params, str(tid), n_blocks, ft, early)
+        return Handoff(body, params, str(tid), n_blocks, ft, early,
+                       ids if isinstance(ids, RawBlockIds) else None)
 
     def drain_body(self, creq: ClientRequest, h: Handoff, ctx: Bootstrap | None = None) -> dict[str, Any] | None:
         out = _stop_as_list(self._one_token(creq.body))

@@ -45,6 +45,7 @@ from contract.errors import (
     ModelNotFound,
     NoWorker,
     ProtocolError,
+    UpstreamClientError,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -340,6 +341,14 @@ class Proxy:
                 await self.reclaim(e, "decode-failed")
             elif drains and flow.drain_on(err):
                 self.bg.spawn(self._drain(flow, creq, pw, h, dw))
+            if h.lifted is not None and isinstance(err, UpstreamClientError) and not h.lifted.valid():
+                # the decode refused block ids the mesh passed on unparsed (mesh.flows.lift_block_ids):
+                # the prefill's garbage, as the whole parse would have found before the decode leg
+                self.up.failed("prefill", pw, "garbage")
+                err = UpstreamError(f"prefill pipeline {pw.id} answered without valid kv_transfer_params: "
+                                    "kv_transfer_params.remote_block_ids must be an array of integers")
+                if early is None:
+                    raise err from None
             if isinstance(err, KVSourceLost):  # the pipeline is at fault, unless the decode fails them all
                 if self._pulls.decode_at_fault(dw.id, pw.id):
                     self.up.failed("decode", dw, "kv_pull")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import orjson
@@ -26,14 +27,24 @@ class Recorder:
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict, dict]] = []
         self.compact = False   # the prefill answers compact JSON (orjson, as this project's workers do)
+        self.ids_json: bytes | None = None   # compact, with these bytes as its remote_block_ids
+        self.released: list[dict] = []
 
     def app(self, role: str) -> web.Application:
         async def handle(request: web.Request) -> web.StreamResponse:
-            body = orjson.loads(await request.read())
+            try:
+                body = orjson.loads(await request.read())
+            except orjson.JSONDecodeError:   # as workers.server answers it
+                self.seen.append((role + request.path, request.headers.copy(), None))
+                return web.Response(status=400, content_type="application/json", body=orjson.dumps(
+                    {"error": {"message": "request body is not valid JSON", "type": "invalid_request_error"}}))
             self.seen.append((role + request.path, request.headers.copy(), body))
             if role == "prefill":
                 ans = {"id": "p", "object": "text_completion", "choices": [
                     {"index": 0, "text": " t42", "finish_reason": "length"}], "kv_transfer_params": PREFILL_KV}
+                if self.ids_json is not None:
+                    raw = orjson.dumps(ans).replace(b'"remote_block_ids":[4,5,6]', b'"remote_block_ids":' + self.ids_json)
+                    return web.Response(body=raw, content_type="application/json")
                 if self.compact:
                     return web.Response(body=orjson.dumps(ans), content_type="application/json")
                 return web.json_response(ans)   # json.dumps: '"remote_block_ids": [4, 5, 6]'
@@ -50,7 +61,12 @@ class Recorder:
         async def load(request: web.Request) -> web.Response:
             return web.json_response({"in_flight": 0})
 
+        async def release(request: web.Request) -> web.Response:
+            self.released.append(orjson.loads(await request.read()))
+            return web.json_response({"released": True})
+
         app = web.Application()
+        app.router.add_post("/kv/release", release)
         app.router.add_post("/v1/completions", handle)
         app.router.add_post("/v1/chat/completions", handle)
         app.router.add_get("/load", load)
@@ -159,11 +175,12 @@ async def test_first_token_early_keeps_the_bytes(make_pd, http, kind, max_tokens
     (b'{"kv_transfer_params":{"remote_block_ids":[1,-2]}}', None),         # not a block id
     (b'{"kv_transfer_params":{"remote_block_ids":[1,2.5]}}', None),
     (b'{"kv_transfer_params":{"remote_block_ids":[1,"2"]}}', None),
-    (b'{"kv_transfer_params":{"remote_block_ids":[1,,2]}}', None),
     (b'{"kv_transfer_params":{"remote_block_ids":[,1]}}', None),
     (b'{"kv_transfer_params":{"remote_block_ids":[1,]}}', None),
-    (b'{"kv_transfer_params":{"remote_block_ids":[01,2]}}', None),          # leading zeros are not JSON
-    (b'{"kv_transfer_params":{"remote_block_ids":[1,02]}}', None),
+    # lifted, but not JSON: left to the decode's parser, and `valid()` says so (the mesh then blames the prefill)
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,,2]}}', b"[1,,2]"),
+    (b'{"kv_transfer_params":{"remote_block_ids":[01,2]}}', b"[01,2]"),
+    (b'{"kv_transfer_params":{"remote_block_ids":[1,02]}}', b"[1,02]"),
     (b'{"kv_transfer_params":{"remote_block_ids":[1,{"a":2}]}}', None),
     (b'{"a":{"remote_block_ids":[1]},"kv_transfer_params":{"remote_block_ids":[2]}}', None),  # twice
     (b'{"kv_transfer_params":{"remote_block_ids":[1,2}', None),             # never closed
@@ -175,12 +192,37 @@ def test_lift_block_ids_takes_only_clean_compact_arrays(data, ids):
     if ids is None:
         assert got is None and short == data
         return
-    assert isinstance(got, RawBlockIds) and orjson.dumps(got.json) == ids
-    assert got.count == len(orjson.loads(ids))
+    assert isinstance(got, RawBlockIds) and got.raw == ids and orjson.dumps(got.json) == ids
     out = orjson.loads(short)
     assert place_block_ids(out, got) and out["kv_transfer_params"]["remote_block_ids"] is got
-    # forwarded verbatim
-    assert orjson.loads(orjson.dumps({"ids": got.json})) == {"ids": orjson.loads(ids)}
+    assert orjson.dumps({"ids": got.json}) == b'{"ids":' + ids + b"}"   # forwarded verbatim
+    try:
+        want = orjson.loads(ids)
+    except orjson.JSONDecodeError:
+        assert not got.valid()
+        return
+    assert got.valid() and got.count == len(want)
+
+
+async def test_block_ids_the_decode_refuses_as_json_are_the_prefills_fault(recorded, http):
+    """Block ids passed on unparsed that are not JSON (an empty element): the decode refuses the
+    body (400), the mesh answers 502 naming the prefill's remote_block_ids, releases the transfer
+    and counts the prefill's garbage, as when the whole parse finds it before the decode leg."""
+    rec, url, _ = recorded
+    rec.ids_json = b"[4,,6]"
+    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+    assert "remote_block_ids" in err["message"] and "prefill" in err["message"]
+    assert [p for p, _, _ in rec.seen] == ["prefill/v1/completions", "decode/v1/completions"]
+    for _ in range(100):
+        if rec.released:
+            break
+        await asyncio.sleep(0.01)
+    assert [x["transfer_id"] for x in rec.released] == ["tx-1"]
+    rec.ids_json = None   # the next request is served
+    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 200
 
 
 def test_lifted_key_elsewhere_falls_back_to_the_whole_parse():
