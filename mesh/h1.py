@@ -372,7 +372,8 @@ class H1Pool:
             head.append(f"{k}: {v}\r\n")
         head.append("\r\n")
         assert conn.transport is not None
-        conn.transport.write("".join(head).encode("latin-1") + body)
+        # head and body as two buffers (one writev): a long prompt's body is not copied to join them
+        conn.transport.writelines(("".join(head).encode("latin-1"), body))
         try:
             await resp._wait_head()
         except BaseException:
