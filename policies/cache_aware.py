@@ -38,15 +38,20 @@ def chunk_keys(text: str, chunk: int) -> tuple[list[int], list[int]]:
     hash took ~110)."""
     data = text.encode("utf-8", "surrogatepass")
     view = memoryview(data)
-    keys: list[int] = []
-    ends: list[int] = []
-    h, i, n = 0, 0, len(data)
+    n = len(data)
+    if not n:
+        return [], []
     fine, mid = FINE * chunk, MID * chunk
-    while i < n:
-        j = min(n, i + (chunk if i < fine else chunk * 16 if i < mid else chunk * 256))
-        h = xxh3_64_intdigest(view[i:j], h)
-        keys.append(h)
-        ends.append(j)
+    ends = [*range(chunk, min(n, fine), chunk)]
+    if n > fine:
+        ends += range(fine, min(n, mid), chunk * 16)
+        if n > mid:
+            ends += range(mid, n, chunk * 256)
+    ends.append(n)
+    keys: list[int] = []
+    h = i = 0
+    for j in ends:
+        keys.append(h := xxh3_64_intdigest(view[i:j], h))
         i = j
     return keys, ends
 
@@ -123,15 +128,23 @@ class CacheAware(PolicyBase):
             self._slot[worker_id] = self._free.pop() if self._free else len(self._slot)
         bit = 1 << self._slot[worker_id]
         index = self._index
+        get, move = index.get, lru.move_to_end
         for k in keys:
             if k in lru:
-                lru.move_to_end(k)
+                move(k)
             else:
                 lru[k] = None
-                index[k] = index.get(k, 0) | bit
-        while len(lru) > self.capacity:
-            old, _ = lru.popitem(last=False)
-            self._unindex(old, bit)
+                index[k] = get(k, 0) | bit
+        excess = len(lru) - self.capacity
+        if excess > 0:
+            pop, other = lru.popitem, ~bit
+            for _ in range(excess):
+                old = pop(last=False)[0]
+                rest = get(old, 0) & other
+                if rest:
+                    index[old] = rest
+                else:
+                    del index[old]
 
     def _unindex(self, key: int, bit: int) -> None:
         rest = self._index.get(key, 0) & ~bit
