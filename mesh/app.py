@@ -134,6 +134,20 @@ async def admin_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 # -- OpenAI routes --------------------------------------------------------------------------
 
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body as one bytes object, copied at most once (the pieces joined; one piece as
+    it came): aiohttp's `read()` grows a bytearray and copies it out again, two to three copies of a
+    long prompt (bench/overhead.py --prompt-bytes). PayloadTooLarge past `limit` bytes."""
+    pieces: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+        pieces.append(chunk)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     st = request.app[STATE]
     loop = asyncio.get_running_loop()
@@ -146,9 +160,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
         try:
             async with asyncio.timeout(st.cfg.limits.body_timeout_s):  # a slow upload holds no slot for long
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(f"body exceeds the limit of {st.cfg.limits.max_body_bytes} bytes") from None
+                raw = await read_body(request, st.cfg.limits.max_body_bytes)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {st.cfg.limits.body_timeout_s:g}s") from None
         # (type: ignore below) the route table maps this handler to one of the parser's request kinds

@@ -579,7 +579,7 @@ class Proxy:
         t0 = asyncio.get_running_loop().time()
         w = self._pick("worker", creq)
         headers = self._headers(request, creq)
-        leg, first = await self._open_leg("worker", w, creq, await request.read(), headers, retry=True)
+        leg, first = await self._open_leg("worker", w, creq, creq.raw or orjson.dumps(creq.body), headers, retry=True)
         return await self._relay(request, creq, Decoded(leg, first, t0), t0)
 
     # -- the streamed leg -------------------------------------------------------------------

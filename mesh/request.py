@@ -47,6 +47,7 @@ class ClientRequest:
     request_id: str
     session_key: str | None
     _prompt: str | None = field(default=None, init=False, repr=False)   # rendered once, when a policy asks
+    raw: bytes = field(default=b"", repr=False)   # the body's bytes as the client sent them (regular mode forwards them)
 
     @property
     def path(self) -> str:
@@ -226,7 +227,7 @@ def parse(kind: Kind, raw: bytes, limits: Limits, *, request_id: str | None = No
         raise _bad("kv_transfer_params", "is set by the mesh, not by clients")
 
     req = ClientRequest(kind, model, stream, include_usage, max_tokens, body,
-                        request_id or f"{_ID_PREFIX}{next(_ids):08x}", session_key or user)
+                        request_id or f"{_ID_PREFIX}{next(_ids):08x}", session_key or user, raw=raw)
     if len(req.prompt_text()) > limits.max_prompt_chars:
         raise _bad("prompt" if kind == "completions" else "messages",
                    f"is longer than the limit of {limits.max_prompt_chars} characters")
