@@ -140,6 +140,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     long prompt (bench/overhead.py --prompt-bytes). PayloadTooLarge past `limit` bytes."""
     pieces: list[bytes] = []
     size = 0
+    request.content.set_read_chunk_size(limit)   # as aiohttp's read(): no pause / resume cycles under the limit
     while chunk := await request.content.readany():
         size += len(chunk)
         if size > limit:
