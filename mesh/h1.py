@@ -71,7 +71,8 @@ class H1Response:
     """Status and headers at once; the body through `read()` or `readany()`."""
 
     __slots__ = ("status", "headers", "_conn", "_buf", "_head_done", "_mode", "_left", "_chunks",
-                 "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle")
+                 "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle",
+                 "_timer", "_wait_start")
 
     def __init__(self, conn: _Conn, idle: float | None) -> None:
         self._conn = conn
@@ -91,6 +92,8 @@ class H1Response:
         self._head_waiter: asyncio.Future[None] = loop.create_future()
         self._keep = True
         self._paused = False
+        self._timer: asyncio.TimerHandle | None = None   # the idle check (`readany`)
+        self._wait_start = 0.0
 
     # -- parsing (called by the protocol) ---------------------------------------------------
 
@@ -261,13 +264,16 @@ class H1Response:
                     raise self._error
                 self._release()
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            if self._idle is not None:
+                # one timer per response, re-armed only when it fires early (not an asyncio.timeout
+                # per wait: an SSE relay waits once per upstream read, ~4 us each)
+                self._wait_start = loop.time()
+                if self._timer is None:
+                    self._timer = loop.call_at(self._wait_start + self._idle, self._idle_check)
             try:
-                if self._idle is None:
-                    await self._waiter
-                else:
-                    async with asyncio.timeout(self._idle):
-                        await self._waiter
+                await self._waiter
             finally:
                 self._waiter = None
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
@@ -276,6 +282,25 @@ class H1Response:
             self._paused = False
             self._conn.transport.resume_reading()
         return data
+
+    def _idle_check(self) -> None:
+        """The idle timer fired: fail a wait that has lasted `idle`, else re-arm for the current
+        wait's deadline (none waiting: the next wait arms it)."""
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done() or self._idle is None:
+            return
+        loop = w.get_loop()
+        due = self._wait_start + self._idle
+        if loop.time() >= due:
+            w.set_exception(TimeoutError())
+        else:
+            self._timer = loop.call_at(due, self._idle_check)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _drain(self) -> list[bytes]:
         out = list(self._chunks)
@@ -291,6 +316,7 @@ class H1Response:
             parts.append(b)
 
     def _release(self) -> None:
+        self._stop_timer()
         conn = self._conn
         if conn.resp is self:
             conn.resp = None
@@ -301,6 +327,7 @@ class H1Response:
 
     def close(self) -> None:
         """Done with this response: the connection goes back to the pool only if it was read to the end."""
+        self._stop_timer()
         if self._done and not self._chunks:
             self._release()
         elif self._conn.resp is self:

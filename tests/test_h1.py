@@ -119,6 +119,28 @@ async def test_idle_timeout_between_chunks(pool):
         r.close()
 
 
+async def test_idle_bounds_each_wait_not_the_whole_stream(pool):
+    """One idle timer per response, re-armed as it fires: chunks 0.1 s apart never time out with
+    idle 0.25 s over a stream longer than that, a 1 s gap does, and a closed response leaves no
+    timer behind (it would keep the response alive for `idle`)."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pieces = [head, b"1\r\na\r\n"] + [x for _ in range(5) for x in (0.1, b"1\r\nb\r\n")] + [1.0, b"0\r\n\r\n"]
+    server, port, _ = await raw_server(lambda req: pieces)
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=0.25)
+        got = b""
+        with pytest.raises(TimeoutError):
+            while True:
+                got += await r.readany()
+        assert got == b"abbbbb"
+        r.close()
+        assert r._timer is None
+        r2 = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=5.0)   # read to its end: no timer left
+        assert await r2.readany() == b"a"
+        r2.close()
+        assert r2._timer is None
+
+
 async def test_connect_refused(pool):
     server, port, _ = await raw_server(lambda req: [])
     server.close()
