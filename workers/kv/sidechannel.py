@@ -121,12 +121,34 @@ class Holder(Protocol):
 Writer = Callable[[WriteRequest, ConsumerRank], Awaitable[None]]
 
 
+_DONTWAIT = int(zmq.DONTWAIT)
+_send_now = zmq.Socket.send   # the blocking-socket send, on the asyncio socket's own handle
+
+
 class _Dealers:
-    """One DEALER per peer address, opened on first use."""
+    """One DEALER per peer address, opened on first use; `send` to one of them."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._ctx = ctx
         self._socks: dict[tuple[str, int], zmq.asyncio.Socket] = {}
+        self._waiting: dict[zmq.asyncio.Socket, int] = {}   # sends awaiting room, per socket
+
+    async def send(self, sock: zmq.asyncio.Socket, frame: bytes) -> None:
+        """pyzmq's asyncio send first tries a non-blocking send too, through a future, two kwargs
+        dicts and IntFlag arithmetic per call (a side channel sends five frames per PD request);
+        this makes that try directly and awaits only when the socket has no room. Behind a send
+        that waits, later ones wait too: frames leave in order."""
+        if not self._waiting.get(sock):
+            try:
+                _send_now(sock, frame, _DONTWAIT)
+                return
+            except zmq.Again:
+                pass
+        self._waiting[sock] = self._waiting.get(sock, 0) + 1
+        try:
+            await sock.send(frame)
+        finally:
+            self._waiting[sock] -= 1
 
     def get(self, host: str, port: int) -> zmq.asyncio.Socket:
         sock = self._socks.get((host, port))
@@ -142,6 +164,7 @@ class _Dealers:
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+        self._waiting.clear()
 
 
 class StageChannel:
@@ -260,7 +283,7 @@ class StageChannel:
                 if self.faults.drop_write_done and self._rng.random() < self.faults.drop_write_done:
                     self.stats.write_done_dropped += 1
                     continue
-                await sock.send(frame)
+                await self._dealers.send(sock, frame)
                 self.stats.write_done_sent += 1
 
 
@@ -345,7 +368,7 @@ class ConsumerChannel:
         timer = asyncio.get_running_loop().call_later(deadline_s, _time_out, fut)
         try:
             for st in stages:
-                await self._dealers.get(st.host, st.port).send(frame)
+                await self._dealers.send(self._dealers.get(st.host, st.port), frame)
             try:
                 await fut
             except _PullTimeout:
@@ -365,7 +388,7 @@ class ConsumerChannel:
         st0 = params.stage_addrs()[0]
         msg = Release(transfer_id=params.transfer_id, tp_rank=tp_rank,
                       auth=release_mac(self._token, params.transfer_id, tp_rank) if self._token else "")
-        await self._dealers.get(st0.host, st0.port).send(encode_frame(msg))
+        await self._dealers.send(self._dealers.get(st0.host, st0.port), encode_frame(msg))
         self.stats.releases_sent += 1
 
     async def _serve(self) -> None:
