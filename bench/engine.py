@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.static_decode import StaticLlama  # noqa: E402
+from contract.clikit import settle_gc  # noqa: E402
 from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -248,6 +249,7 @@ def main() -> None:
     if ceil:
         print(f"{n_params / 1e9:.2f} B parameters ({weight_bytes / 1e9:.2f} GB); measured "
               f"{ceil['bandwidth_Bps'] / 1e12:.2f} TB/s copy, {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s bf16", flush=True)
+    settle_gc()   # as a worker does once it has started (workers/launch.py)
     kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     rows = []
     for b in [int(x) for x in a.batches.split(",")]:
@@ -258,15 +260,26 @@ def main() -> None:
         engine_run(eng, prompts, 4)  # warm-up at the timed shapes (the decode graphs are captured here)
         hf_run(hf, prompts[:1], 4, a.device)
         ep, ed = engine_run(eng, prompts, a.new_tokens)
+        sd = None
+        if eng.ahead:   # the same engine step by step (every step waits for the last), side by side
+            eng.ahead = False
+            engine_run(eng, prompts, 4)
+            sd = engine_run(eng, prompts, a.new_tokens)[1]
+            eng.ahead = True
         hp, hd = hf_run(hf, prompts, a.new_tokens, a.device)
         steps = a.new_tokens - 1
         r = {"batch": b, "graph_replays": eng.graphs.replays if eng.graphs is not None else 0, "engine_prefill_tok_s": round(b * a.prompt_len / ep), "hf_prefill_tok_s": round(b * a.prompt_len / hp),
              "engine_decode_tok_s": round(b * steps / ed), "hf_decode_tok_s": round(b * steps / hd)}
+        if sd is not None:
+            r |= {"engine_step_by_step_decode_tok_s": round(b * steps / sd), "ahead_vs_step_by_step": round(sd / ed, 3)}
         r["prefill_ratio"] = round(r["engine_prefill_tok_s"] / r["hf_prefill_tok_s"], 3)
         r["decode_ratio"] = round(r["engine_decode_tok_s"] / r["hf_decode_tok_s"], 3)
         line = (f"batch {b:3}: prefill engine {r['engine_prefill_tok_s']:8} tok/s  hf {r['hf_prefill_tok_s']:8} tok/s "
                 f"(x{r['prefill_ratio']})   decode engine {r['engine_decode_tok_s']:6} tok/s  hf {r['hf_decode_tok_s']:6} "
                 f"tok/s (x{r['decode_ratio']})")
+        if sd is not None:
+            line += (f"\n           step by step {r['engine_step_by_step_decode_tok_s']} tok/s: one step ahead "
+                     f"x{r['ahead_vs_step_by_step']}")
         if a.reference:
             ref = StaticLlama(hf, b, a.prompt_len + a.new_tokens)
             if a.device.startswith("cuda"):

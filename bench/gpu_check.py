@@ -131,6 +131,33 @@ def compare(name: str, engine: Engine, ref: list, exact: bool) -> None:
         report(name, freed and same > 0.5, logits_max_rel_diff=f"{rel:.2e}", tokens_identical=round(same, 3))
 
 
+def one_step_ahead(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
+    """Greedy decode one step ahead (the next step's tokens taken on the device, the host a step
+    behind): HF's tokens; stop tokens, lengths and late arrivals as the step-by-step engine."""
+    eng = Engine(ckpt, cfg)
+    outs = eng.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=N, ignore_eos=True))
+    ok = outs == [r[1] for r in ref] and eng.ahead_steps > 0 and eng.blocks.free == cfg.num_blocks
+    stops = {i: ref[i][1][N // 2] for i in range(len(PROMPTS))}
+    got = []
+    for ahead in (True, False):
+        e = Engine(ckpt, cfg)
+        e.ahead = ahead
+        res: dict[str, list[int]] = {}
+        for i, p in enumerate(PROMPTS):
+            if i == len(PROMPTS) // 2:   # the rest arrive mid-decode
+                for _ in range(N // 3):
+                    for o in e.step():
+                        res.setdefault(o.seq_id, []).append(o.new_tokens[0] if o.new_tokens else -1)
+            e.add(f"s{i}", list(p), SamplingParams(max_tokens=N - i, stop_token_ids=(stops[i],), ignore_eos=True))
+        while e.scheduler.has_work():
+            for o in e.step():
+                res.setdefault(o.seq_id, []).append(o.new_tokens[0] if o.new_tokens else -1)
+        ok = ok and e.blocks.free == cfg.num_blocks and e.fenced == 0
+        got.append(res)
+    report("fp32 decode one step ahead: HF's tokens; stops and arrivals as step by step", ok and got[0] == got[1],
+           ahead_steps=eng.ahead_steps)
+
+
 def pd_handoff(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
     """PP=2 prefill -> its KV read out of both stages -> TP=2 decode from the first token."""
     pre = PPEngine(ckpt, cfg, 2)
@@ -230,6 +257,7 @@ def main() -> None:
     ref32 = hf_reference(ckpt, torch.float32, a.device)
     cfg32 = EngineConfig(dtype="float32", block_size=4, num_blocks=512, max_batch_tokens=32, device=a.device)
     compare("fp32 monolithic vs HF fp32", Engine(ckpt, cfg32), ref32, exact=True)
+    one_step_ahead(ckpt, cfg32, ref32)
     pp = PPEngine(ckpt, cfg32, 2)
     try:
         compare("fp32 PP=2 (2 processes, one GPU) vs HF fp32", pp, ref32, exact=True)

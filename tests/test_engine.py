@@ -316,3 +316,119 @@ def test_whole_prompts_of_one_length_share_one_attention_call(ckpt, monkeypatch)
                                attention_mask=torch.ones_like(ids))[0, len(p):].tolist()
             assert outs[i] == want, i
     assert eng.blocks.free == eng.cfg.num_blocks
+
+
+def _run(eng: Engine, plan: dict[int, list[tuple[str, list[int], SamplingParams]]],
+         fences: list[int] | None = None) -> dict[str, tuple[list[int], str]]:
+    """Step an engine to the end, adding sequences at the steps `plan` names; every step, every
+    block is free, in a sequence, or fenced for the step in flight (`fences`: each step's count)."""
+    toks: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    k = 0
+    while k <= max(plan) or eng.scheduler.has_work():
+        for sid, prompt, sp in plan.get(k, []):
+            eng.add(sid, prompt, sp)
+        for o in eng.step():
+            assert o.error is None and o.seq_id not in reasons
+            toks.setdefault(o.seq_id, []).extend(o.new_tokens)
+            if o.finished:
+                reasons[o.seq_id] = o.finish_reason or ""
+        live, held = eng.scheduler.census()
+        assert eng.blocks.free + live + held + eng.fenced == eng.cfg.num_blocks
+        if fences is not None:
+            fences.append(eng.fenced)
+        k += 1
+    assert eng.blocks.free == eng.cfg.num_blocks and eng.fenced == 0
+    return {s: (toks[s], reasons[s]) for s in toks}
+
+
+def test_decode_one_step_ahead_keeps_hf_parity(ckpt, reference):
+    """Greedy decode steps launched before the host has seen the last one's tokens (the next
+    step's inputs taken on the device): HF's tokens, and every step after the first ran ahead."""
+    import dataclasses
+
+    eng = Engine(ckpt, dataclasses.replace(cfg(), graphs="eager"))
+    assert eng.ahead
+    outs = eng.generate([list(p) for p in PROMPTS], GREEDY)
+    assert outs == [ids for _, ids in reference]
+    assert eng.ahead_steps > N_TOKENS // 2 and eng.blocks.free == eng.cfg.num_blocks
+
+
+def test_decode_one_step_ahead_stops_as_the_step_by_step_engine(ckpt):
+    """Stop tokens, lengths (1 token too), min_tokens and sequences that arrive mid-decode: the
+    same tokens and finish reasons with the engine one step ahead as step by step; a sequence that
+    stops while its next row is in flight gives that row up, and its blocks come back after it."""
+    import dataclasses
+
+    base = Engine(ckpt, dataclasses.replace(cfg(), graphs="off"))
+    probe = base.generate([list(PROMPTS[1]), list(PROMPTS[3])], SamplingParams(max_tokens=24, ignore_eos=True))
+    # stops late enough that the prompts are in and the engine runs ahead when they come
+    i1 = next(i for i in range(12, 24) if probe[0][i] not in probe[0][:i])
+    i2 = next(i for i in range(14, 24) if probe[1][i] not in probe[1][:i])
+    stop1, stop2 = probe[0][i1], probe[1][i2]
+    plan: dict[int, list[tuple[str, list[int], SamplingParams]]] = {
+        0: [("a", list(PROMPTS[1]), SamplingParams(max_tokens=24, stop_token_ids=(stop1,), ignore_eos=True)),
+            ("b", list(PROMPTS[3]), SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop2,))),
+            ("c", list(PROMPTS[0]), SamplingParams(max_tokens=1)),
+            ("d", list(PROMPTS[2]), SamplingParams(max_tokens=2, ignore_eos=True))],
+        3: [("e", list(PROMPTS[4]), SamplingParams(max_tokens=9, ignore_eos=True)),
+            ("f", list(PROMPTS[1]), SamplingParams(max_tokens=12, min_tokens=8, stop_token_ids=(stop1,)))],
+        9: [("g", list(PROMPTS[7]), SamplingParams(max_tokens=5, ignore_eos=True))],
+    }
+    got = {}
+    for mode in ("off", "eager"):
+        eng = Engine(ckpt, dataclasses.replace(cfg(), graphs=mode))
+        fences: list[int] = []
+        got[mode] = _run(eng, plan, fences)
+        if mode == "eager":
+            assert eng.ahead_steps > 0 and max(fences) > 0   # a stop came while its next row was in flight
+    assert got["eager"] == got["off"]
+    assert got["off"]["a"] == (probe[0][:i1 + 1], "stop") and got["off"]["b"][1] == "stop"
+    assert len(got["off"]["c"][0]) == 1 and got["off"]["c"][1] == "length"
+    assert got["off"]["f"][1] == "length" or len(got["off"]["f"][0]) >= 8
+
+
+def test_abort_while_a_step_is_in_flight_fences_the_blocks(ckpt):
+    """An abort of a sequence in the step in flight: no more outputs for it, its blocks stay taken
+    (fenced) until that step is done, then every block is back."""
+    import dataclasses
+
+    eng = Engine(ckpt, dataclasses.replace(cfg(), graphs="eager"))
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    for i in range(3):
+        eng.add(f"s{i}", list(PROMPTS[i]), sp)
+    while eng._ahead is None:
+        eng.step()
+    assert eng.abort("s1")
+    assert eng.fenced > 0
+    live, _ = eng.scheduler.census()
+    assert eng.blocks.free + live + eng.fenced == eng.cfg.num_blocks
+    seen = []
+    while eng.scheduler.has_work():
+        seen += [o.seq_id for o in eng.step()]
+    assert "s1" not in seen and seen.count("s0") > 0
+    assert eng.fenced == 0 and eng.blocks.free == eng.cfg.num_blocks
+
+
+def test_the_last_sequence_leaving_a_step_in_flight_leaves_no_block_behind(ckpt):
+    """When the last running sequence stops (a stop token) or is aborted while its next row is in
+    flight, nobody steps the engine again: that step is waited for then, and every block is back."""
+    import dataclasses
+
+    probe = Engine(ckpt, dataclasses.replace(cfg(), graphs="off")).generate(
+        [list(PROMPTS[3])], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    i = next(i for i in range(8, 24) if probe[i] not in probe[:i])
+    eng = Engine(ckpt, dataclasses.replace(cfg(), graphs="eager"))
+    eng.add("s", list(PROMPTS[3]), SamplingParams(max_tokens=24, stop_token_ids=(probe[i],), ignore_eos=True))
+    got: list[int] = []
+    while eng.scheduler.has_work():
+        got += [t for o in eng.step() for t in o.new_tokens]
+    assert got == probe[:i + 1] and eng.ahead_steps > 0
+    assert eng._ahead is None and eng.fenced == 0 and eng.blocks.free == eng.cfg.num_blocks
+
+    eng.add("t", list(PROMPTS[3]), SamplingParams(max_tokens=24, ignore_eos=True))
+    while eng._ahead is None:
+        eng.step()
+    assert eng.abort("t")
+    assert eng._ahead is None and eng.fenced == 0 and eng.blocks.free == eng.cfg.num_blocks
+    assert not eng.scheduler.has_work()

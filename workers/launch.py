@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from contract.clikit import settle_gc
 from contract.errors import ConfigError
 from contract.etcd import EtcdConfig
 from contract.protocol import OWN_CAPABILITIES, DecodeRecord, PrefillRecord, RankRecord, StageRecord
@@ -147,6 +148,9 @@ async def serve_worker(c: WorkerConfig, stop: asyncio.Event) -> int:
                               pull_deadline_s=c.pull_deadline)
     if faults is not None:
         log.warning("%s injects faults on purpose: %s", wid, faults)
+    # torch, the model and the engine stay for good, out of the collector's sight: a full
+    # collection over torch alone takes ~80 ms here, a stall of every sequence's next token (issue 19)
+    settle_gc()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     if faults is not None:

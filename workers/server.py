@@ -281,9 +281,10 @@ class EngineServer:
         """(free, held by transfers, held by running work) KV blocks, read on the engine thread.
         Held by transfers is what the adapter owns and can list, release and expire (the holder);
         running is the scheduler's running and waiting sequences plus what the adapter allocated
-        outside the engine (a decode's blocks under a pull). Blocks in none of these are leaked."""
+        outside the engine (a decode's blocks under a pull), and the blocks of sequences that ended
+        while the engine's step in flight may still write them. Blocks in none of these are leaked."""
         live, _ = self.engine.scheduler.census()
-        return self.engine.blocks.free, 0, live + self.outside
+        return self.engine.blocks.free, 0, live + self.outside + self.engine.fenced
 
     def load(self, census: tuple[int, int, int] | None = None) -> LoadReport:
         b = self.engine.blocks

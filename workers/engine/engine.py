@@ -4,13 +4,24 @@
 a distributed `forward`). The PD hooks: `add(..., hold=True)` stops after the first token and
 keeps the blocks until `release`; `add_from_kv` continues from KV already in given blocks plus
 the prefill's first token.
+
+One step ahead (issue 19): where decode steps run as CUDA graphs and every running sequence is a
+greedy decode, `step()` launches the next step before it waits for the last one. The next step's
+input tokens are the last step's greedy tokens, taken on the device (`DecodeGraphs.tokens`); the
+host learns them while the GPU runs the next step, so the GPU never waits for the host's
+scheduling, sampling bookkeeping and the caller's handling of the outputs. A step's outputs come
+back from the `step()` call after the one that launched it. A sequence that stops (EOS, a stop
+token) has one more row in the step already launched: that row is dropped, and its blocks go back
+to the pool only once that step is done (nothing else may reuse them while the GPU still writes
+there). Anything else (a prompt to prefill, sampling, logprobs, a preemption) waits for the step
+in flight and runs as before.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +45,21 @@ class StepOutput:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[Logprob] | None = None   # one per new token, where the sequence asked for them
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A greedy decode step launched and not yet seen by the host."""
+    work: list[Work]
+    index: list[int]           # per row: the output index its token fills (a placeholder until then)
+    rows: dict[int, int]       # id(sequence) -> row
+    last: frozenset[str]       # sequences whose token of this step is their last by length
+    host: torch.Tensor         # the rows' tokens, copied here from the device
+    event: Any                 # done when `host` holds them (None on the CPU: at once)
+    fenced: list[int] = field(default_factory=list)  # blocks freed by the host while this step may write them
+
+
+PLACEHOLDER = -1   # an output token the GPU has sampled and the host has not seen yet
 
 
 def build_batch(work: list[Work], block_size: int) -> tuple[ForwardBatch, torch.Tensor]:
@@ -61,6 +87,13 @@ class Engine:
     inline: bool = False
     instant: bool = False
     step_s: float = 0.0
+    ahead: bool = False            # greedy decode steps run one ahead (set where decode graphs exist)
+    _ahead: _Ahead | None = None   # the step in flight
+
+    @property
+    def fenced(self) -> int:
+        """Blocks of finished sequences kept until the step in flight is done (taken, in no sequence)."""
+        return len(self._ahead.fenced) if self._ahead is not None else 0
 
     def close(self) -> None:
         """Stop what the engine started (rank processes, transports); a single-process engine has none."""
@@ -92,6 +125,13 @@ class Engine:
         self._forward = forward or self._local_forward
         self.seqs: dict[str, Sequence] = {}
         self.captured: dict[str, torch.Tensor] | None = None  # set to a dict: logits of each first sample
+        self.ahead = self.graphs is not None
+        self.ahead_steps = 0   # steps launched ahead of the host
+        self._flip = 0
+        self._landing: list[torch.Tensor] = []
+        if self.graphs is not None:
+            pin = cfg.on_gpu
+            self._landing = [torch.zeros(cfg.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
 
     def _local_forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None and self.pool is not None
@@ -152,8 +192,27 @@ class Engine:
 
     def abort(self, seq_id: str) -> bool:
         """Stop a sequence wherever it is and free its blocks (safe for an unknown or finished id)."""
-        self.seqs.pop(seq_id, None)
-        return self.scheduler.abort(seq_id)
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self._fence(seq)
+        done = self.scheduler.abort(seq_id)
+        self._settle()
+        return done
+
+    def _settle(self) -> None:
+        """A step in flight with no sequence left running (each stopped or aborted while it ran):
+        waited for here, as no caller steps an engine without work (its rows are all dropped)."""
+        a = self._ahead
+        if a is not None and not self.scheduler.running:
+            self._ahead = None
+            self._land_ahead(a, None)
+
+    def _fence(self, seq: Sequence) -> None:
+        """A sequence in the step in flight leaves: its blocks stay taken until that step is done."""
+        a = self._ahead
+        if a is not None and id(seq) in a.rows and seq.blocks:
+            self.blocks.retain(seq.blocks)
+            a.fenced += seq.blocks
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -169,13 +228,127 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         out = self._rejections()
+        a = self._ahead
+        if a is not None:   # a step in flight: launch the next one first where it can go ahead too
+            self._ahead = None
+            nxt = self._launch_ahead(self.scheduler.schedule(a.last), a) if self._can_go_ahead(a) else None
+            self._ahead = nxt
+            out += self._land_ahead(a, nxt)
+            if nxt is not None:
+                self._settle()
+                return out
         work = self.scheduler.schedule()
         if not work:
             return out
         if self.graphs is not None and self.graphs.eligible(work):
+            if self.ahead and self._greedy(work):
+                self._ahead = self._launch_ahead(work, None)
+                return out
             return out + self._apply(work, self.graphs.run(work))
         batch, ids = build_batch(work, self.cfg.block_size)
         return out + self._apply(work, self._forward(batch, ids))
+
+    # -- one step ahead ----------------------------------------------------------------------
+
+    def _greedy(self, work: list[Work]) -> bool:
+        """Every row's next token is the argmax, with nothing else asked of its logits."""
+        if self.captured is not None:
+            return False
+        for w in work:
+            s, p = w.seq, w.seq.params
+            if p.temperature != 0 or p.logprobs is not None or len(s.output) < p.min_tokens or s.hold:
+                return False
+        return True
+
+    def _can_go_ahead(self, a: _Ahead) -> bool:
+        """Would the next schedule be greedy decode rows only, with no preemption (a sequence whose
+        last token is still on the device cannot be recomputed)?"""
+        g = self.graphs
+        sch = self.scheduler
+        if g is None or not self.ahead or sch.waiting or sch.rejected or self.captured is not None:
+            return False
+        need, rows = 0, 0
+        bs = self.cfg.block_size
+        for s in sch.running:
+            pend = s.pending
+            if pend > 1:
+                return False
+            if pend == 0 or s.id in a.last:
+                continue
+            p = s.params
+            if p.temperature != 0 or p.logprobs is not None or len(s.output) < p.min_tokens or s.hold:
+                return False
+            rows += 1
+            need += -(-(s.computed + 1) // bs) > len(s.blocks)
+        return 0 < rows <= g.max_batch and need <= self.blocks.free
+
+    def _launch_ahead(self, work: list[Work], prev: _Ahead | None) -> _Ahead | None:
+        """Launch a greedy decode step; its tokens become placeholders in the sequences' outputs."""
+        if not work:
+            return None
+        g = self.graphs
+        assert g is not None
+        rows: dict[int, int] = {}
+        index: list[int] = []
+        last: list[str] = []
+        src = None
+        prows = prev.rows if prev is not None else None
+        if prows:
+            src = [prows.get(id(w.seq), -1) if w.seq.output and w.seq.output[-1] == PLACEHOLDER else -1
+                   for w in work]
+        for i, w in enumerate(work):
+            s = w.seq
+            rows[id(s)] = i
+            j = len(s.output)
+            index.append(j)
+            if j + 1 >= s.params.max_tokens:
+                last.append(s.id)
+        g.run(work, src)
+        self.ahead_steps += 1
+        for w in work:
+            w.seq.output.append(PLACEHOLDER)
+            w.seq.computed = w.start + 1
+        host = self._landing[self._flip]
+        self._flip ^= 1
+        n = len(work)
+        host[:n].copy_(g.tokens[:n], non_blocking=True)
+        event = None
+        if host.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+        return _Ahead(work, index, rows, frozenset(last), host, event)
+
+    def _land_ahead(self, a: _Ahead, nxt: _Ahead | None) -> list[StepOutput]:
+        """The host takes in a launched step's tokens: outputs, stops, and the blocks it fenced."""
+        if a.event is not None:
+            a.event.synchronize()
+        if a.fenced:
+            self.blocks.release(a.fenced)
+        toks = a.host[:len(a.work)].tolist()
+        eos = self.model_cfg.eos_token_id
+        out: list[StepOutput] = []
+        for w, t, j in zip(a.work, toks, a.index):
+            s = w.seq
+            if s.state == SeqState.FINISHED:   # aborted while in flight
+                continue
+            s.output[j] = t
+            p = s.params
+            if not p.ignore_eos and t == eos or t in p.stop_token_ids:
+                reason = "stop"
+            elif j + 1 >= p.max_tokens:
+                reason = "length"
+            else:
+                out.append(StepOutput(s.id, [t], False))
+                continue
+            if len(s.output) > j + 1:        # a row in the next step: dropped there, its blocks fenced
+                del s.output[j + 1:]
+                s.computed = w.start + 1
+                if nxt is not None:
+                    self._fence(s)
+            self.scheduler.finish(s, reason)
+            self.seqs.pop(s.id, None)        # finished (a held prefill never runs ahead)
+            out.append(StepOutput(s.id, [t], True, reason))
+        return out
 
     def _rejections(self) -> list[StepOutput]:
         out = []

@@ -7,8 +7,13 @@ buffer upload and one replay.
   table's width (the longest sequence's blocks) to 1, 2, 4, 8, then multiples of 8 (attention
   reads the table's width: little padding, and a new shape only every 8 blocks of context). A graph is captured the
   first time its shape is needed, the largest first sharing one memory pool.
-- Inputs: one flat int64 device buffer per shape: ids, positions, slots, context lengths [B] and
-  block tables [B, nb], filled from one host tensor per step (the graph reads views of it).
+- Inputs: one flat int64 device buffer per shape: ids, sources, positions, slots, context lengths
+  [B] and block tables [B, nb], filled from one host tensor per step (the graph reads views of it).
+- Outputs: the logits [B, vocab], and each row's greedy token in `tokens`, one device buffer that
+  every graph shares. A row whose input token is not known on the host yet (the engine runs one
+  step ahead, `Engine.step`) names in `sources` the row of the step before that sampled it: the
+  graph takes that row's token from `tokens` before it writes its own, so a greedy decode never
+  waits for the host between steps.
 - Padding rows of a bucket write their KV into a scratch block past the pool's last block (the
   block manager never hands it out) and attend to it alone.
 - Which engines: a whole model on one rank (monolithic, TP 1 decode, PP 1) on CUDA. Elsewhere, and
@@ -45,6 +50,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._mempool: Any = None
         self.replays = 0
+        # each row's greedy token of the last step run (rows past the batch: padding's, never read)
+        self.tokens = torch.zeros(max(self.buckets), dtype=torch.long, device=device)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -57,22 +64,26 @@ class DecodeGraphs:
         return 0 < len(work) <= self.max_batch and all(w.n == 1 and w.want_logits for w in work)
 
     def _views(self, buf: torch.Tensor, B: int, nb: int) -> tuple[torch.Tensor, ...]:
-        ids, pos, slots, lens = (buf[i * B:(i + 1) * B] for i in range(4))
-        return ids, pos, slots, lens, buf[4 * B:].view(B, nb)
+        ids, src, pos, slots, lens = (buf[i * B:(i + 1) * B] for i in range(5))
+        return ids, src, pos, slots, lens, buf[5 * B:].view(B, nb)
 
     def _fn(self, buf: torch.Tensor, B: int, nb: int) -> torch.Tensor:
-        ids, pos, slots, lens, table = self._views(buf, B, nb)
-        return self.model.decode(ids, pos, slots, table, lens, self.pool)
+        ids, src, pos, slots, lens, table = self._views(buf, B, nb)
+        ids = torch.where(src >= 0, self.tokens[src.clamp(min=0)], ids)   # tokens the host has not seen yet
+        logits = self.model.decode(ids, pos, slots, table, lens, self.pool)
+        self.tokens[:B] = logits.argmax(-1)
+        return logits
 
     def _get(self, B: int, nb: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
         key = (B, nb)
         got = self._graphs.get(key)
         if got is not None:
             return got
-        buf = torch.zeros(4 * B + B * nb, dtype=torch.long, device=self.device)
-        buf[2 * B:3 * B] = self.scratch * self.bs          # until filled: every row a padding row
-        buf[3 * B:4 * B] = 1
-        buf[4 * B:] = self.scratch
+        buf = torch.zeros(5 * B + B * nb, dtype=torch.long, device=self.device)
+        buf[B:2 * B] = -1
+        buf[3 * B:4 * B] = self.scratch * self.bs          # until filled: every row a padding row
+        buf[4 * B:5 * B] = 1
+        buf[5 * B:] = self.scratch
         if not self.capture:
             got = (None, buf, torch.empty(0))
         else:
@@ -91,18 +102,25 @@ class DecodeGraphs:
         self._graphs[key] = got
         return got
 
-    def run(self, work: list[Work]) -> torch.Tensor:
-        """Logits [len(work), vocab] of a decode step (rows in `work`'s order)."""
+    def run(self, work: list[Work], sources: list[int] | None = None) -> torch.Tensor:
+        """Logits [len(work), vocab] of a decode step (rows in `work`'s order); each row's greedy
+        token lands in `tokens[:len(work)]`. `sources`: per row, the row of the step before whose
+        greedy token is this row's input (-1: the host's token)."""
         n = len(work)
         B = self.bucket(n)
         nb = table_width(max(len(w.seq.blocks) for w in work))
         bs, scratch = self.bs, self.scratch
         ids, pos, slots, lens = [0] * B, [0] * B, [scratch * bs] * B, [1] * B
+        src = [-1] * B
+        if sources is not None:
+            src[:n] = sources
         table = [scratch] * (B * nb)
         for i, w in enumerate(work):
             p = w.start
-            bl = w.seq.blocks
-            ids[i] = w.seq.tokens[p]
+            seq = w.seq
+            bl = seq.blocks
+            k = p - len(seq.prompt)
+            ids[i] = seq.prompt[p] if k < 0 else seq.output[k]
             pos[i] = p
             slots[i] = bl[p // bs] * bs + p % bs
             lens[i] = p + 1
@@ -110,7 +128,9 @@ class DecodeGraphs:
         graph, buf, out = self._get(B, nb)
         # array -> tensor without a per-element conversion (torch.tensor of a 2,800-int list at batch
         # 64 was ~0.2 ms of host time per step)
-        host = torch.frombuffer(array("q", ids + pos + slots + lens + table), dtype=torch.long)
+        host = torch.frombuffer(array("q", ids + src + pos + slots + lens + table), dtype=torch.long)
+        if buf.is_cuda:  # pinned (the caching host allocator keeps it until the copy is done): the copy
+            host = host.pin_memory()   # queues behind a step in flight instead of waiting for it
         buf.copy_(host, non_blocking=True)
         self.replays += 1
         if graph is None:
