@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
-    ap.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq"])
+    ap.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq", "cuda-ipc"])
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--pp-size", type=int, default=2)
     ap.add_argument("--prefill-tp-size", type=int, default=1, help="> 1: a TP prefill (instead of --pp-size stages)")

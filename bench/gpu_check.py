@@ -187,10 +187,11 @@ def pd_handoff(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
         dec.close()
 
 
-def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[str, str] = ("--pp-size", "2")) -> None:
+def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[str, str] = ("--pp-size", "2"),
+                     backend: str = "zmq", decode_tp: str = "2") -> None:
     import httpx
 
-    common = ["--checkpoint", str(ckpt), "--device", device, "--dtype", "float32", "--kv-backend", "zmq",
+    common = ["--checkpoint", str(ckpt), "--device", device, "--dtype", "float32", "--kv-backend", backend,
               "--block-size", "4", "--num-blocks", "512", "--max-batch-tokens", "64"]
     procs = []
     try:
@@ -198,7 +199,7 @@ def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[st
         p, lines = start([*MESH, "prefill", *common, *prefill_shape], "ready")
         procs.append(p)
         pre = lines[-2].split()[1]
-        p, lines = start([*MESH, "decode", *common, "--tp-size", "2"], "ready")
+        p, lines = start([*MESH, "decode", *common, "--tp-size", decode_tp], "ready")
         procs.append(p)
         dec = lines[-2].split()[1]
         p, lines = start([*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre, "--decode", dec],
@@ -227,8 +228,9 @@ def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[st
                         ids = r.json()["choices"][0]["token_ids"]
                     ok = ok and ids == ref[i][1]
             held = c.get(pre + "/kv/held").json()["transfers"]
-        shape = "PP=2" if prefill_shape[0] == "--pp-size" else "TP=2 prefill"
-        report(f"PD through the mesh on the GPU ({shape} -> TP=2, ZMQ KV), greedy ids == HF", ok and not held,
+        shape = f"PP={prefill_shape[1]}" if prefill_shape[0] == "--pp-size" else f"TP={prefill_shape[1]} prefill"
+        report(f"PD through the mesh on the GPU ({shape} -> TP={decode_tp}, {backend} KV), greedy ids == HF",
+               ok and not held,
                workers_started_s=round(started, 1))
     finally:
         for p in procs[::-1]:
@@ -274,6 +276,7 @@ def main() -> None:
     compare("bf16 monolithic vs HF bf16", Engine(ckpt, cfg16), ref16, exact=False)
     through_the_mesh(ckpt, a.device, ref32)
     through_the_mesh(ckpt, a.device, ref32, ("--tp-size", "2"))
+    through_the_mesh(ckpt, a.device, ref32, ("--pp-size", "1"), "cuda-ipc", "1")   # KV device to device
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(RESULTS, indent=2))
     sys.exit(0 if all(r["ok"] for r in RESULTS) else 1)

@@ -25,8 +25,8 @@ LOAD_V1 = "load_v1"                        # GET /load answers LoadReport
 CAPABILITIES = (HOLDER_API, FIRST_TOKEN_EARLY, LOAD_V1)
 OWN_CAPABILITIES = CAPABILITIES            # what this project's workers and mock fleet declare
 # how a worker moves KV (records say it for operators; the dialect says how the mesh drives the legs):
-# the reference engine's two, and NIXL (vLLM's NixlConnector, SGLang's nixl backend)
-KV_BACKENDS = ("mooncake", "zmq", "nixl")
+# the reference engine's three (cuda-ipc: device to device on one host), and NIXL (vLLM's NixlConnector, SGLang's nixl backend)
+KV_BACKENDS = ("mooncake", "zmq", "cuda-ipc", "nixl")
 
 
 def check_capabilities(caps: tuple[str, ...], where: str = "capabilities") -> tuple[str, ...]:

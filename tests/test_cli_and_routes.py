@@ -65,6 +65,7 @@ url = "{dec}"
     (["serve", "--port", "0", "--prefill", "http://h:1", "--decode", "http://h:2", "--prefill-policy", "nope"],
      "unknown policy 'nope'"),
     (["serve", "--port", "0", "--config", "/does/not/exist.toml"], "does not exist"),
+    (["decode", "--checkpoint", "/nowhere", "--kv-backend", "cuda-ipc"], "every stage and rank needs a cuda --device"),
 ])
 def test_bad_configuration_is_a_clear_error(args, msg):
     r = subprocess.run([MESH_BIN, *args], capture_output=True, text=True, timeout=30)

@@ -142,3 +142,48 @@ async def test_a_stage_without_the_holder_serves_only_what_stage_0_granted():
         await consumer.close()
         for s in stages:
             await s.close()
+
+
+def test_cuda_ipc_receiver_checks_every_frame_and_keeps_serving():
+    """The device-to-device backend's receiver: a frame names producer regions by CUDA IPC export
+    and source offsets; every field is typed, every source inside the exported region, every
+    destination inside this process's pools; else it is refused and nothing is mapped or copied.
+    A producer sends only ranges of its own registered device pools."""
+    victim = create("cuda-ipc")
+    pool = [torch.zeros(4, 64, dtype=torch.float64)]
+    base = victim.register(pool)[0]
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(victim.segment)
+    export = [0, 0, b"h" * 64, 4096, 0, b"rc", 0, b"ev" * 32, False, 0]   # region 0 of a 4 kB storage
+    ok = [[base], [8], [0], [0], [export], [1024]]
+    try:
+        bad = [ok[:5],                                                    # 5 lists
+               [[base], [-8], [0], [0], [export], [1024]],                # a negative length
+               [[base], [8], [1], [0], [export], [1024]],                 # a source region not exported
+               [[base], [8], [0], [1020], [export], [1024]],              # a source past its region
+               [[base], [8], [0], [0], [export], [4097]],                 # a region past the storage
+               [[base], [8], [0], [0], [[0, 0, "h", 4096, 0, b"", 0, b"", False, 0]], [1024]],  # a str handle
+               [[base], [8], [0], [0], [[*export[:9], -1]], [1024]],      # a negative start
+               [[base - 10 ** 6], [8], [0], [0], [export], [1024]],       # outside the registered pool
+               [[base], [8], [0], [0], [export], [1024]]]                 # a host pool: nothing to map into
+        for head in bad:
+            s.send_multipart([msgpack.packb(head)])
+            assert s.poll(5000), head
+            why = s.recv()
+            assert why, head   # refused with a reason
+        for frames in ([b"\xc1"], [msgpack.packb("x")], [msgpack.packb(ok), b"payload"]):
+            s.send_multipart(frames)
+            assert s.poll(5000) and s.recv()
+        assert not pool[0].any() and not victim._mapped
+        prod = create("cuda-ipc")
+        host = [torch.ones(4, 64, dtype=torch.float64)]
+        hb = prod.register(host)[0]
+        with pytest.raises(KVTransferError, match="registered device pools"):
+            prod.write(victim.segment, [hb], [base], [64])      # host memory has no IPC handle
+        prod.close()
+    finally:
+        s.close(0)
+        ctx.term()
+        victim.close()

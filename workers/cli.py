@@ -170,8 +170,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", help="worker id in the registry (default: an opaque id from the URL)")
     p.add_argument("--host", default="127.0.0.1", help="address every listener of this worker binds")
     p.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one, printed at start)")
-    p.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq"],
-                   help="how KV moves to / from the other side")
+    p.add_argument("--kv-backend", default="mooncake", choices=["mooncake", "zmq", "cuda-ipc"],
+                   help="how KV moves to / from the other side (cuda-ipc: both sides on one host's GPUs, "
+                        "device to device)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool (per stage / rank)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step at most")

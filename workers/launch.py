@@ -91,6 +91,9 @@ def worker_config(role: str, a: Any, etcd: EtcdConfig | None) -> WorkerConfig:
         raise ConfigError(str(e)) from None
     if getattr(a, "pull_deadline", 30.0) <= 0:
         raise ConfigError("--pull-deadline must be > 0 seconds")
+    if a.kv_backend == "cuda-ipc" and (remote or not all(d.startswith("cuda") for d in devs)):
+        raise ConfigError("--kv-backend cuda-ipc moves KV between GPUs of one host: every stage and rank needs "
+                          "a cuda --device, and no remote stages")
     return WorkerConfig(role=role, checkpoint=a.checkpoint, model=a.model or Path(a.checkpoint).name, host=a.host,
                         port=a.port, id=a.id or "", kv_backend=a.kv_backend, pp_size=pp_size, tp_size=a.tp_size,
                         partition=getattr(a, "partition", None), remote_stages=remote,

@@ -191,7 +191,7 @@ def spec_in(d: dict[str, Any], cls: Any) -> Any:
             raise ProtocolError(f"spec.{k} must be a string")
     if d.get("store_path", "") != "":   # a file path from the network: never (remote stages use TCP)
         raise ProtocolError("spec.store_path must be empty for a remote stage")
-    if d.get("kv_backend") not in (None, "mooncake", "zmq") or type(d.get("producer")) is not bool:
+    if d.get("kv_backend") not in (None, "mooncake", "zmq", "cuda-ipc") or type(d.get("producer")) is not bool:
         raise ProtocolError("spec: kv_backend must be mooncake, zmq or null; producer a boolean")
     names = {f.name for f in dataclasses.fields(cls)}
     if set(d) - names:

@@ -4,7 +4,9 @@
 memory through the same calls where the hardware exists); every return code is checked and
 `MC_TCP_PROGRESS_TIMEOUT_SEC` is set so a frozen peer fails fast. `ZmqTransport` ships the
 bytes to a receiver thread in the peer process, which checks every range against its registered
-regions before copying. A process creates one transport, registers its KV pools, and tells peers
+regions before copying. `CudaIpcTransport` (both processes on one host, pools in GPU memory)
+ships no bytes: the write names ranges of the producer's pools, exported as CUDA IPC handles, and
+the consumer's receiver maps them (once) and copies device to device into its own regions. A process creates one transport, registers its KV pools, and tells peers
 its `segment` (how to reach it) and the regions' base addresses.
 """
 
@@ -25,7 +27,7 @@ import zmq
 from contract.errors import KVTransferError
 
 log = logging.getLogger(__name__)
-BACKENDS = ("mooncake", "zmq")
+BACKENDS = ("mooncake", "zmq", "cuda-ipc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +229,10 @@ class ZmqTransport:
             return
         with self._lock:
             payload = self._read(src, lengths)
+        self._send(segment, [msgpack.packb([dst, lengths]), payload])
+
+    def _send(self, segment: str, frames: list[Any]) -> None:
+        """One write's frames to the peer's receiver, and its answer (an error refuses the write)."""
         with self._out_lock:  # one socket and one lock per peer: a stalled peer blocks only its own writes
             lock = self._peer_locks.setdefault(segment, threading.Lock())
         with lock:
@@ -236,7 +242,7 @@ class ZmqTransport:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(segment)
                 self._out[segment] = sock
-            sock.send_multipart([msgpack.packb([dst, lengths]), payload], copy=False)
+            sock.send_multipart(frames, copy=False)
             if not sock.poll(self._timeout_ms):
                 sock.close(0)
                 del self._out[segment]
@@ -254,11 +260,125 @@ class ZmqTransport:
         self._ctx.term()
 
 
+@dataclass(frozen=True, slots=True)
+class _Export:
+    """A registered device region as CUDA IPC exports it (torch's `_share_cuda_`): the handle of
+    the allocation that holds it, and where the region starts in that allocation."""
+    fields: tuple[Any, ...]   # (device, handle, allocation bytes, offset, ref-counter handle and offset, event, sync)
+    start: int                # the region's first byte, past the storage's start
+
+    def wire(self) -> list[Any]:
+        return [*self.fields, self.start]
+
+
+class CudaIpcTransport(ZmqTransport):
+    """Device-to-device on one host: a write sends, over the receiver's socket, the producer's
+    regions as CUDA IPC handles and (region, offset) sources instead of the bytes; the receiver
+    checks the frame as the ZMQ one (every destination inside its regions) and every source inside
+    the exported region, maps each producer allocation once, and copies on its own GPU before it
+    answers. The producer's KV is complete when it asks (its step waited for the GPU); the
+    receiver's copies go on the legacy default stream, behind the consumer engine's own steps."""
+
+    name = "cuda-ipc"
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+        self._exports: list[_Export | None] = []
+        self._mapped: dict[tuple[bytes, int, int], torch.Tensor] = {}
+        super().__init__(host, timeout_s)
+
+    def register(self, tensors: list[torch.Tensor]) -> list[int]:
+        out = super().register(tensors)
+        with self._lock:
+            for t in tensors:
+                if t.device.type != "cuda":
+                    self._exports.append(None)
+                    continue
+                st = t.untyped_storage()
+                self._exports.append(_Export(tuple(st._share_cuda_()), t.data_ptr() - st.data_ptr()))
+        return out
+
+    def write(self, segment: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        if not src:
+            return
+        with self._lock:
+            where = []
+            for s, n in zip(src, lengths):
+                r = self._region(s, n)
+                i = self._regions.index(r) if r is not None else -1
+                if r is None or n <= 0 or self._exports[i] is None:
+                    raise KVTransferError("a source range is outside the registered device pools")
+                where.append((i, s - r.addr))
+            used = sorted({i for i, _ in where})
+            exports = {i: self._exports[i].wire() for i in used}   # type: ignore[union-attr]
+        head = msgpack.packb([dst, lengths, [i for i, _ in where], [o for _, o in where],
+                              [[i, *exports[i]] for i in used], [self._regions[i].length for i in used]])
+        self._send(segment, [head])
+
+    def _receive(self, frames: list[Any]) -> str:
+        """[ident, msgpack [dst, lengths, source regions, source offsets, exports, export lengths]]:
+        every destination inside a registered region, every source inside the exported region it
+        names; else refused, nothing copied."""
+        if len(frames) != 2:
+            return f"{len(frames)} frames where 2 are due"
+        head = msgpack.unpackb(frames[1].bytes)
+        if not (isinstance(head, list) and len(head) == 6 and all(isinstance(x, list) for x in head)):
+            return "bad KV frame header"
+        dst, lengths, regs, offs, exports, sizes = head
+        if not (len(dst) == len(lengths) == len(regs) == len(offs) and len(exports) == len(sizes)
+                and all(type(v) is int for x in (dst, lengths, regs, offs, sizes) for v in x)):
+            return "bad KV frame header"
+        table: dict[int, tuple[list[Any], int, int]] = {}   # region -> (export, start, length)
+        for e, size in zip(exports, sizes):
+            if not (isinstance(e, list) and len(e) == 10 and type(e[0]) is int and type(e[1]) is int
+                    and isinstance(e[2], bytes) and all(type(e[k]) is int for k in (3, 4, 6, 9))
+                    and isinstance(e[5], bytes) and isinstance(e[7], bytes) and type(e[8]) is bool
+                    and e[4] >= 0 and e[9] >= 0 and 0 < size and e[9] + size <= e[3]):
+                return "bad CUDA IPC export"
+            table[e[0]] = (e[1:9], e[9], size)   # the mapped storage, the region's start and length in it
+        if any(n <= 0 for n in lengths) or any(d < 0 for d in dst) or any(o < 0 for o in offs):
+            return "ranges must have positive lengths and addresses"
+        if any(r not in table or o + n > table[r][2] for r, o, n in zip(regs, offs, lengths)):
+            return "a source range is outside the exported regions"
+        with self._lock:
+            bad = [(d, n) for d, n in zip(dst, lengths) if not self._inside(d, n)]
+            if bad:
+                return f"{len(bad)} range(s) outside the registered regions"
+            targets = [self._region(d, n) for d, n in zip(dst, lengths)]
+            if any(t is None or t.flat is None for t in targets):
+                return "a destination is not in device memory"
+            srcs = {r: (self._map(fields), start) for r, (fields, start, _) in table.items()}
+            devices = set()
+            for d, n, t, r, o in zip(dst, lengths, targets, regs, offs):
+                assert t is not None and t.flat is not None
+                mem, start = srcs[r]
+                t.flat[d - t.addr:d - t.addr + n].copy_(mem[start + o:start + o + n])
+                devices.add(t.flat.device)
+            for dev in devices:   # copied before the write is acknowledged (the producer frees after)
+                torch.cuda.synchronize(dev)
+        return ""
+
+    def _map(self, fields: list[Any]) -> torch.Tensor:
+        """A producer's allocation, opened once (the mapping lives as long as this transport)."""
+        key = (bytes(fields[1]), fields[3], fields[2])   # allocation, the storage's offset and size in it
+        got = self._mapped.get(key)
+        if got is None:
+            st = torch.UntypedStorage._new_shared_cuda(*fields)
+            got = torch.empty(0, dtype=torch.uint8, device=f"cuda:{fields[0]}").set_(st)
+            self._mapped[key] = got
+        return got
+
+    def close(self) -> None:
+        super().close()
+        self._mapped.clear()
+
+
 def create(backend: str, host: str = "127.0.0.1") -> Transport:
     if backend == "mooncake":
         return MooncakeTransport(host)
     if backend == "zmq":
         return ZmqTransport(host)
+    if backend == "cuda-ipc":
+        return CudaIpcTransport(host)
     raise ValueError(f"kv backend must be one of {BACKENDS}, got {backend!r}")
 
 
