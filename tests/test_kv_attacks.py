@@ -187,3 +187,41 @@ def test_cuda_ipc_receiver_checks_every_frame_and_keeps_serving():
         s.close(0)
         ctx.term()
         victim.close()
+
+
+@pytest.mark.parametrize("backend", ["zmq", "cuda-ipc"])
+def test_with_the_worker_token_a_kv_write_needs_its_hmac(backend, monkeypatch):
+    """`ATOMESH_WORKER_TOKEN` set: a KV write whose header is not signed with it (none, or another
+    token's) is dropped and counted, nothing lands, and the receiver keeps serving the signed one."""
+    monkeypatch.setenv("ATOMESH_WORKER_TOKEN", "kv-plane-token-0123456789")
+    victim = create(backend)
+    pool = [torch.zeros(4, 64, dtype=torch.float64)]
+    base = victim.register(pool)[0]
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(victim.segment)
+    try:
+        head = msgpack.packb([[base], [64]])
+        for frames in ([head, b"\x07" * 64], [b"\0" * 32, head, b"\x07" * 64], [b"", b""]):
+            s.send_multipart(frames)
+            assert s.poll(5000)
+            assert b"HMAC" in s.recv()
+        other = create(backend, token="another-token-0123456789")
+        src = [torch.full((4, 64), 7.0, dtype=torch.float64)]
+        sb = other.register(src)[0]
+        if backend == "zmq":
+            with pytest.raises(KVTransferError, match="HMAC"):
+                other.write(victim.segment, [sb], [base], [64])
+        other.close()
+        assert victim.unauthenticated == 3 + (backend == "zmq") and not pool[0].any()
+        if backend == "zmq":
+            prod = create(backend)
+            sb = prod.register(src)[0]
+            prod.write(victim.segment, [sb], [base], [64])
+            assert pool[0][0, :8].eq(7.0).all()
+            prod.close()
+    finally:
+        s.close(0)
+        ctx.term()
+        victim.close()

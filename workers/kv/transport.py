@@ -13,6 +13,8 @@ its `segment` (how to reach it) and the regions' base addresses.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -110,7 +112,13 @@ class ZmqTransport:
 
     name = "zmq"
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 10.0, token: str | None = None) -> None:
+        """`token`: the worker token (default: `ATOMESH_WORKER_TOKEN`'s); with it every write's
+        header carries its HMAC, and the receiver drops a write whose HMAC is not right."""
+        from workers.kv.sidechannel import worker_token
+
+        self._token = (token or worker_token() or "").encode() or None
+        self.unauthenticated = 0   # writes dropped for a missing or wrong HMAC
         self._ctx = zmq.Context()
         self._regions: list[Region] = []
         self._lock = threading.Lock()
@@ -195,13 +203,29 @@ class ZmqTransport:
                 continue
             frames = self._recv.recv_multipart(copy=False)
             try:
-                err = self._receive(frames)
+                err = self._receive(self._verified(frames))
+            except KVTransferError as e:
+                err = str(e)
             except Exception as e:  # noqa: BLE001 - a frame, whatever it is, never ends the receiver
                 err = f"bad KV frame: {e.__class__.__name__}"
             if err:
-                log.warning("zmq KV receiver: %s", err)
+                log.warning("%s KV receiver: %s", self.name, err)
             if len(frames) >= 1:
                 self._recv.send_multipart([frames[0].bytes, err.encode()])
+
+    def _mac(self, head: bytes) -> bytes:
+        assert self._token is not None
+        return hmac.new(self._token, head, hashlib.sha256).digest()
+
+    def _verified(self, frames: list[Any]) -> list[Any]:
+        """Without a token, the frames as they came; with one, the frames less the HMAC frame that
+        follows the identity, which must be the header's (the frame after it); else refused."""
+        if self._token is None:
+            return frames
+        if len(frames) < 3 or not hmac.compare_digest(frames[1].bytes, self._mac(frames[2].bytes)):
+            self.unauthenticated += 1
+            raise KVTransferError("a KV write without the worker token's HMAC")
+        return [frames[0], *frames[2:]]
 
     def _receive(self, frames: list[Any]) -> str:
         """One KV write: [ident, msgpack [dst addrs, lengths], payload]; every range positive, inside
@@ -242,7 +266,7 @@ class ZmqTransport:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(segment)
                 self._out[segment] = sock
-            sock.send_multipart(frames, copy=False)
+            sock.send_multipart([self._mac(frames[0]), *frames] if self._token is not None else frames, copy=False)
             if not sock.poll(self._timeout_ms):
                 sock.close(0)
                 del self._out[segment]
@@ -281,10 +305,10 @@ class CudaIpcTransport(ZmqTransport):
 
     name = "cuda-ipc"
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 10.0, token: str | None = None) -> None:
         self._exports: list[_Export | None] = []
         self._mapped: dict[tuple[bytes, int, int], torch.Tensor] = {}
-        super().__init__(host, timeout_s)
+        super().__init__(host, timeout_s, token)
 
     def register(self, tensors: list[torch.Tensor]) -> list[int]:
         out = super().register(tensors)
@@ -372,13 +396,14 @@ class CudaIpcTransport(ZmqTransport):
         self._mapped.clear()
 
 
-def create(backend: str, host: str = "127.0.0.1") -> Transport:
+def create(backend: str, host: str = "127.0.0.1", token: str | None = None) -> Transport:
+    """`token`: the ZMQ and CUDA IPC planes' worker token (default: `ATOMESH_WORKER_TOKEN`'s)."""
     if backend == "mooncake":
         return MooncakeTransport(host)
     if backend == "zmq":
-        return ZmqTransport(host)
+        return ZmqTransport(host, token=token)
     if backend == "cuda-ipc":
-        return CudaIpcTransport(host)
+        return CudaIpcTransport(host, token=token)
     raise ValueError(f"kv backend must be one of {BACKENDS}, got {backend!r}")
 
 
