@@ -326,14 +326,17 @@ class CudaIpcTransport(ZmqTransport):
             return
         with self._lock:
             where = []
+            exports: dict[int, list[Any]] = {}
             for s, n in zip(src, lengths):
                 r = self._region(s, n)
                 i = self._regions.index(r) if r is not None else -1
-                if r is None or n <= 0 or self._exports[i] is None:
+                e = self._exports[i] if r is not None else None
+                if r is None or n <= 0 or e is None:
                     raise KVTransferError("a source range is outside the registered device pools")
                 where.append((i, s - r.addr))
-            used = sorted({i for i, _ in where})
-            exports = {i: self._exports[i].wire() for i in used}   # type: ignore[union-attr]
+                if i not in exports:
+                    exports[i] = e.wire()
+            used = sorted(exports)
         head = msgpack.packb([dst, lengths, [i for i, _ in where], [o for _, o in where],
                               [[i, *exports[i]] for i in used], [self._regions[i].length for i in used]])
         self._send(segment, [head])
