@@ -251,7 +251,11 @@ def main() -> None:
               f"{ceil['bandwidth_Bps'] / 1e12:.2f} TB/s copy, {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s bf16", flush=True)
     settle_gc()   # as a worker does once it has started (workers/launch.py)
     kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
-    rows = []
+    rows: list[dict[str, Any]] = []
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = {"threads": torch.get_num_threads(), "params": n_params, "ceilings": ceil,
+            "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None}
     for b in [int(x) for x in a.batches.split(",")]:
         prompts = [[(7 * i + j) % 250 for j in range(a.prompt_len)] for i in range(b)]
         need = b * (-(-(a.prompt_len + a.new_tokens) // 16)) + 8
@@ -313,11 +317,7 @@ def main() -> None:
         del eng
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    info = {"threads": torch.get_num_threads(), "params": n_params, "ceilings": ceil,
-            "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None}
-    out.write_text(json.dumps({"args": vars(a), **info, "rows": rows}, indent=2))
+        out.write_text(json.dumps({"args": vars(a), **info, "rows": rows}, indent=2))   # each batch's row kept
     print(f"wrote {out}")
 
 
