@@ -250,15 +250,15 @@ class Engine:
 
     # -- one step ahead ----------------------------------------------------------------------
 
+    @staticmethod
+    def _argmax_only(s: Sequence) -> bool:
+        """The sequence's next token is the argmax, with nothing else asked of its logits."""
+        p = s.params
+        return p.temperature == 0 and p.logprobs is None and len(s.output) >= p.min_tokens
+
     def _greedy(self, work: list[Work]) -> bool:
-        """Every row's next token is the argmax, with nothing else asked of its logits."""
-        if self.captured is not None:
-            return False
-        for w in work:
-            s, p = w.seq, w.seq.params
-            if p.temperature != 0 or p.logprobs is not None or len(s.output) < p.min_tokens or s.hold:
-                return False
-        return True
+        """Every row can run ahead: argmax only, and no held prefill (it stops at its first token)."""
+        return self.captured is None and all(self._argmax_only(w.seq) and not w.seq.hold for w in work)
 
     def _can_go_ahead(self, a: _Ahead) -> bool:
         """Would the next schedule be greedy decode rows only, with no preemption (a sequence whose
@@ -275,8 +275,7 @@ class Engine:
                 return False
             if pend == 0 or s.id in a.last:
                 continue
-            p = s.params
-            if p.temperature != 0 or p.logprobs is not None or len(s.output) < p.min_tokens or s.hold:
+            if not self._argmax_only(s) or s.hold:
                 return False
             rows += 1
             need += -(-(s.computed + 1) // bs) > len(s.blocks)
@@ -365,8 +364,7 @@ class Engine:
         greedy: list[int] | None = None
         if logits.device.type != "cpu":  # one transfer per step, not one sync per row
             rows = [w.seq for w in work if w.want_logits]
-            if self.captured is None and all(s.params.temperature == 0 and s.params.logprobs is None
-                                             and len(s.output) >= s.params.min_tokens for s in rows):
+            if self.captured is None and all(self._argmax_only(s) for s in rows):
                 greedy = logits.argmax(-1).tolist()
             else:
                 logits = logits.float().cpu()
