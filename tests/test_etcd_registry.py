@@ -79,15 +79,19 @@ async def test_drain_with_requests_in_flight_loses_none(etcd, http):
     app, runner, url = await start_mesh(etcd.url)
     fleet = await proc([MESH_BIN, "mock-fleet", "--prefill", "2", "--decode", "1", "--decode-ms-per-token", "40",
                         "--etcd", etcd.url, "--ttl", str(TTL)], "ready")
+    others: list[Proc] = []   # stopped on every path, a failed assertion's included
+    tasks: list[asyncio.Task] = []
     try:
         pre = [line.split()[1] for line in fleet.lines if line.startswith("prefill ")]
         await wait_for(lambda: len(routable(app)) == 2, 3)
         # a third pipeline whose registrar we drain while its requests are in flight
         extra = await proc([MESH_BIN, "mock-fleet", "--prefill", "1", "--decode", "0",
                             "--prefill-ms-per-token", "30"], "ready")
+        others.append(extra)
         ex_url = extra.lines[0].split()[1]
         reg = await proc([MESH_BIN, "register", "--etcd", etcd.url, "--role", "prefill", "--url", ex_url,
                           "--model", "mock-model", "--id", "pipe-drain", "--ttl", str(TTL)], "registered")
+        others.append(reg)
         await wait_for(lambda: "pipe-drain" in routable(app), 2)
         app[STATE].policies["prefill"] = __import__("policies").create("round_robin")
 
@@ -98,22 +102,25 @@ async def test_drain_with_requests_in_flight_loses_none(etcd, http):
                 return r.status if body.endswith(b"data: [DONE]\n\n") else -1
 
         tasks = [asyncio.create_task(one(i)) for i in range(30)]
-        await asyncio.sleep(0.3)
-        assert httpx.get(ex_url + "/load").json()["in_flight"] > 0
+        # until the drained pipeline holds requests (a loaded 2-core CI takes longer than 0.3 s to get there)
+        await wait_for(lambda: httpx.get(ex_url + "/load").json()["in_flight"] > 0, 10, step=0.05)
         t0 = time.monotonic()
         os.kill(reg.p.pid, signal.SIGTERM)
         await wait_for(lambda: "pipe-drain" not in routable(app), 2)
-        late = [asyncio.create_task(one(100 + i)) for i in range(10)]  # after the drain began
-        assert set(await asyncio.gather(*tasks, *late)) == {200}
+        tasks += [asyncio.create_task(one(100 + i)) for i in range(10)]  # after the drain began
+        assert set(await asyncio.gather(*tasks)) == {200}
         assert await asyncio.to_thread(reg.p.wait, 30) == 0
         print(f"drain finished in {time.monotonic() - t0:.2f}s")
         out = reg.p.stdout.read()
         reg.stop()
         assert "deregistered" in out and "deadline" not in out
         assert httpx.get(ex_url + "/load").json()["in_flight"] == 0
-        extra.stop()
         del pre
     finally:
+        for t in tasks:
+            t.cancel()
+        for o in others:
+            o.stop()
         fleet.stop()
         await runner.cleanup()
 
