@@ -47,9 +47,12 @@ def measure(url: str, n_requests: int, prompt_len: int, n: int, conc: int) -> di
     r = asyncio.run(run(cfg, progress=False))
     tt = [x * 1e3 for x in r.ttft]
     tp = [x * 1e3 for x in r.tpot]
+    errors = sum(r.errors.values()) if isinstance(r.errors, dict) else r.errors
+    if not tt or not tp:   # every request failed: say how, not a StatisticsError
+        raise RuntimeError(f"{url}: no request succeeded ({errors} errors: {r.errors})")
     return {"ttft_p50_ms": round(statistics.median(tt), 2), "ttft_mean_ms": round(statistics.mean(tt), 2),
             "tpot_p50_ms": round(statistics.median(tp), 2), "output_tok_s": round(r.tokens / r.seconds, 1),
-            "errors": sum(r.errors.values()) if isinstance(r.errors, dict) else r.errors}
+            "errors": errors}
 
 
 def main() -> None:

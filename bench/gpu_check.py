@@ -136,7 +136,9 @@ def one_step_ahead(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
     behind): HF's tokens; stop tokens, lengths and late arrivals as the step-by-step engine."""
     eng = Engine(ckpt, cfg)
     outs = eng.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=N, ignore_eos=True))
-    ok = outs == [r[1] for r in ref] and eng.ahead_steps > 0 and eng.blocks.free == cfg.num_blocks
+    parity = outs == [r[1] for r in ref]
+    ok = parity and eng.ahead_steps > 0 and eng.blocks.free == cfg.num_blocks
+    why = {"hf_parity": parity, "free_after": eng.blocks.free}
     stops = {i: ref[i][1][N // 2] for i in range(len(PROMPTS))}
     got = []
     for ahead in (True, False):
@@ -153,9 +155,11 @@ def one_step_ahead(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
             for o in e.step():
                 res.setdefault(o.seq_id, []).append(o.new_tokens[0] if o.new_tokens else -1)
         ok = ok and e.blocks.free == cfg.num_blocks and e.fenced == 0
+        why[f"{'ahead' if ahead else 'step_by_step'}_free_fenced"] = [e.blocks.free, e.fenced]
         got.append(res)
+    why["same_as_step_by_step"] = got[0] == got[1]
     report("fp32 decode one step ahead: HF's tokens; stops and arrivals as step by step", ok and got[0] == got[1],
-           ahead_steps=eng.ahead_steps)
+           ahead_steps=eng.ahead_steps, **why)
 
 
 def pd_handoff(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
@@ -208,6 +212,7 @@ def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[st
         url = lines[-1].split()[1]
         started = time.monotonic() - t0
         ok = True
+        bad: list[str] = []
         with httpx.Client(timeout=120) as c:
             for stream in (False, True):
                 for i, prompt in enumerate(PROMPTS):
@@ -226,12 +231,15 @@ def through_the_mesh(ckpt: Path, device: str, ref: list, prefill_shape: tuple[st
                                     ids += ch.get("token_ids", [])
                     else:
                         ids = r.json()["choices"][0]["token_ids"]
-                    ok = ok and ids == ref[i][1]
+                    if ids != ref[i][1]:
+                        ok = False
+                        bad.append(f"{'stream' if stream else 'json'} {i}: {ids[:6]} vs {ref[i][1][:6]}")
             held = c.get(pre + "/kv/held").json()["transfers"]
         shape = f"PP={prefill_shape[1]}" if prefill_shape[0] == "--pp-size" else f"TP={prefill_shape[1]} prefill"
         report(f"PD through the mesh on the GPU ({shape} -> TP={decode_tp}, {backend} KV), greedy ids == HF",
                ok and not held,
-               workers_started_s=round(started, 1))
+               workers_started_s=round(started, 1),
+               **({"held": len(held), "mismatches": bad[:4]} if bad or held else {}))
     finally:
         for p in procs[::-1]:
             p.terminate()

@@ -67,11 +67,13 @@ class DecodeGraphs:
         ids, src, pos, slots, lens = (buf[i * B:(i + 1) * B] for i in range(5))
         return ids, src, pos, slots, lens, buf[5 * B:].view(B, nb)
 
-    def _fn(self, buf: torch.Tensor, B: int, nb: int) -> torch.Tensor:
+    def _fn(self, buf: torch.Tensor, B: int, nb: int, dst: torch.Tensor) -> torch.Tensor:
+        """One decode step over `buf`; each row's greedy token into `dst[:B]` (`tokens`, except
+        for a warm-up: see `_get`)."""
         ids, src, pos, slots, lens, table = self._views(buf, B, nb)
         ids = torch.where(src >= 0, self.tokens[src.clamp(min=0)], ids)   # tokens the host has not seen yet
         logits = self.model.decode(ids, pos, slots, table, lens, self.pool)
-        self.tokens[:B] = logits.argmax(-1)
+        dst[:B] = logits.argmax(-1)
         return logits
 
     def _get(self, B: int, nb: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -84,20 +86,27 @@ class DecodeGraphs:
         buf[3 * B:4 * B] = self.scratch * self.bs          # until filled: every row a padding row
         buf[4 * B:5 * B] = 1
         buf[5 * B:] = self.scratch
+        # Warm-up, off the graph (lazy inits, cuBLAS workspaces): twice, its tokens into a scratch
+        # buffer. A new shape is met while the engine's step before is in flight, and the rows of
+        # the step this shape runs read that step's tokens from `tokens`: a warm-up writing there
+        # would feed them padding's argmax. (Eager on the CPU too, so the CPU tests meet the
+        # warm-up between two steps as the GPU does.)
+        spare = torch.empty_like(self.tokens)
         if not self.capture:
+            self._fn(buf, B, nb, spare)
             got = (None, buf, torch.empty(0))
         else:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):     # warm-up off the graph: lazy inits, cuBLAS workspaces
-                    self._fn(buf, B, nb)
+                for _ in range(2):
+                    self._fn(buf, B, nb, spare)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._mempool):
-                out = self._fn(buf, B, nb)
+                out = self._fn(buf, B, nb, self.tokens)
             got = (graph, buf, out)
         self._graphs[key] = got
         return got
@@ -134,6 +143,6 @@ class DecodeGraphs:
         buf.copy_(host, non_blocking=True)
         self.replays += 1
         if graph is None:
-            return self._fn(buf, B, nb)[:n]
+            return self._fn(buf, B, nb, self.tokens)[:n]
         graph.replay()
         return out[:n]
