@@ -105,7 +105,9 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            # thread-local: the KV receiver's thread copies into the pool (on its own stream) while
+            # a shape is captured here; in the default global mode its CUDA calls would end the capture
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 out = self._fn(buf, B, nb, self.tokens)
             got = (graph, buf, out)
         self._graphs[key] = got

@@ -133,6 +133,7 @@ class ZmqTransport:
         self._out: dict[str, zmq.Socket] = {}
         self._out_lock = threading.Lock()
         self._peer_locks: dict[str, threading.Lock] = {}
+        self._streams: dict[torch.device, Any] = {}   # the receiver's copy stream per device
 
     @property
     def segment(self) -> str:
@@ -173,6 +174,17 @@ class ZmqTransport:
                          else torch.frombuffer(bytearray(ctypes.string_at(s, n)), dtype=torch.uint8))
         return torch.cat([p.cpu() for p in parts]).numpy().tobytes()
 
+    def _stream(self, dev: torch.device) -> Any:
+        """The receiver's own copy stream on `dev`: not the legacy default stream, which every
+        other stream waits on, nor a device-wide synchronize. Either, from this thread while the
+        engine's thread captures a decode graph, would break that capture (and stall its steps).
+        The destination blocks are free on the host, so no step in flight touches them (a step run
+        ahead fences the blocks it still writes: `Engine._fence`)."""
+        st = self._streams.get(dev)
+        if st is None:
+            st = self._streams[dev] = torch.cuda.Stream(device=dev)
+        return st
+
     def _land(self, dst: list[int], lengths: list[int], buf: memoryview) -> None:
         """Copy the payload into the destination ranges (device ones through one host tensor)."""
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
@@ -189,11 +201,12 @@ class ZmqTransport:
                     with warnings.catch_warnings():  # a read-only frame: only read from here
                         warnings.simplefilter("ignore", UserWarning)
                         host = torch.frombuffer(buf, dtype=torch.uint8)
-                r.flat[d - r.addr:d - r.addr + n].copy_(host[off:off + n])
+                with torch.cuda.stream(self._stream(r.flat.device)):
+                    r.flat[d - r.addr:d - r.addr + n].copy_(host[off:off + n])
                 devices.add(r.flat.device)
             off += n
         for dev in devices:  # landed before the write is acknowledged
-            torch.cuda.synchronize(dev)
+            self._stream(dev).synchronize()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -301,7 +314,7 @@ class CudaIpcTransport(ZmqTransport):
     checks the frame as the ZMQ one (every destination inside its regions) and every source inside
     the exported region, maps each producer allocation once, and copies on its own GPU before it
     answers. The producer's KV is complete when it asks (its step waited for the GPU); the
-    receiver's copies go on the legacy default stream, behind the consumer engine's own steps."""
+    receiver's copies go on its own copy stream (`ZmqTransport._stream`)."""
 
     name = "cuda-ipc"
 
@@ -378,10 +391,11 @@ class CudaIpcTransport(ZmqTransport):
             for d, n, t, r, o in zip(dst, lengths, targets, regs, offs):
                 assert t is not None and t.flat is not None
                 mem, start = srcs[r]
-                t.flat[d - t.addr:d - t.addr + n].copy_(mem[start + o:start + o + n])
+                with torch.cuda.stream(self._stream(t.flat.device)):   # see `_stream`
+                    t.flat[d - t.addr:d - t.addr + n].copy_(mem[start + o:start + o + n])
                 devices.add(t.flat.device)
             for dev in devices:   # copied before the write is acknowledged (the producer frees after)
-                torch.cuda.synchronize(dev)
+                self._stream(dev).synchronize()
         return ""
 
     def _map(self, fields: list[Any]) -> torch.Tensor:
