@@ -18,6 +18,7 @@ Exits non-zero on any mismatch; prints one line per check and writes them as JSO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -134,6 +135,8 @@ def compare(name: str, engine: Engine, ref: list, exact: bool) -> None:
 def one_step_ahead(ckpt: Path, cfg: EngineConfig, ref: list) -> None:
     """Greedy decode one step ahead (the next step's tokens taken on the device, the host a step
     behind): HF's tokens; stop tokens, lengths and late arrivals as the step-by-step engine."""
+    if cfg.device == "cpu":   # the graph buffers run eagerly there (no capture): the same bookkeeping
+        cfg = dataclasses.replace(cfg, graphs="eager")
     eng = Engine(ckpt, cfg)
     outs = eng.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=N, ignore_eos=True))
     parity = outs == [r[1] for r in ref]
