@@ -133,7 +133,7 @@ class ZmqTransport:
         self._out: dict[str, zmq.Socket] = {}
         self._out_lock = threading.Lock()
         self._peer_locks: dict[str, threading.Lock] = {}
-        self._streams: dict[torch.device, Any] = {}   # the receiver's copy stream per device
+        self._streams: dict[torch.device, Any] = {}   # the receiver's copy stream per device (`_device_copies`)
 
     @property
     def segment(self) -> str:
@@ -174,22 +174,30 @@ class ZmqTransport:
                          else torch.frombuffer(bytearray(ctypes.string_at(s, n)), dtype=torch.uint8))
         return torch.cat([p.cpu() for p in parts]).numpy().tobytes()
 
-    def _stream(self, dev: torch.device) -> Any:
-        """The receiver's own copy stream on `dev`: not the legacy default stream, which every
-        other stream waits on, nor a device-wide synchronize. Either, from this thread while the
-        engine's thread captures a decode graph, would break that capture (and stall its steps).
-        The destination blocks are free on the host, so no step in flight touches them (a step run
-        ahead fences the blocks it still writes: `Engine._fence`)."""
-        st = self._streams.get(dev)
-        if st is None:
-            st = self._streams[dev] = torch.cuda.Stream(device=dev)
-        return st
+    def _device_copies(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """(destination, source) device copies, done before the write is acknowledged: on the
+        receiver's own stream per device, waited for on that stream alone. Not the legacy default
+        stream, which every other stream waits on, nor a device-wide synchronize: either, from
+        this thread while the engine's thread captures a decode graph, would break that capture
+        (and stall its steps). The destination blocks are free on the host, so no step in flight
+        touches them (a step run ahead fences the blocks it still writes: `Engine._fence`)."""
+        used = []
+        for dst, src in copies:
+            st = self._streams.get(dst.device)
+            if st is None:
+                st = self._streams[dst.device] = torch.cuda.Stream(device=dst.device)
+            if st not in used:
+                used.append(st)
+            with torch.cuda.stream(st):
+                dst.copy_(src)
+        for st in used:
+            st.synchronize()
 
     def _land(self, dst: list[int], lengths: list[int], buf: memoryview) -> None:
         """Copy the payload into the destination ranges (device ones through one host tensor)."""
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
         host: torch.Tensor | None = None
-        devices: set[torch.device] = set()
+        copies = []
         off = 0
         for d, n in zip(dst, lengths):
             r = self._region(d, n)
@@ -201,12 +209,9 @@ class ZmqTransport:
                     with warnings.catch_warnings():  # a read-only frame: only read from here
                         warnings.simplefilter("ignore", UserWarning)
                         host = torch.frombuffer(buf, dtype=torch.uint8)
-                with torch.cuda.stream(self._stream(r.flat.device)):
-                    r.flat[d - r.addr:d - r.addr + n].copy_(host[off:off + n])
-                devices.add(r.flat.device)
+                copies.append((r.flat[d - r.addr:d - r.addr + n], host[off:off + n]))
             off += n
-        for dev in devices:  # landed before the write is acknowledged
-            self._stream(dev).synchronize()
+        self._device_copies(copies)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -314,7 +319,7 @@ class CudaIpcTransport(ZmqTransport):
     checks the frame as the ZMQ one (every destination inside its regions) and every source inside
     the exported region, maps each producer allocation once, and copies on its own GPU before it
     answers. The producer's KV is complete when it asks (its step waited for the GPU); the
-    receiver's copies go on its own copy stream (`ZmqTransport._stream`)."""
+    receiver's copies go on its own copy stream (`ZmqTransport._device_copies`)."""
 
     name = "cuda-ipc"
 
@@ -387,15 +392,12 @@ class CudaIpcTransport(ZmqTransport):
             if any(t is None or t.flat is None for t in targets):
                 return "a destination is not in device memory"
             srcs = {r: (self._map(fields), start) for r, (fields, start, _) in table.items()}
-            devices = set()
+            copies = []
             for d, n, t, r, o in zip(dst, lengths, targets, regs, offs):
                 assert t is not None and t.flat is not None
                 mem, start = srcs[r]
-                with torch.cuda.stream(self._stream(t.flat.device)):   # see `_stream`
-                    t.flat[d - t.addr:d - t.addr + n].copy_(mem[start + o:start + o + n])
-                devices.add(t.flat.device)
-            for dev in devices:   # copied before the write is acknowledged (the producer frees after)
-                self._stream(dev).synchronize()
+                copies.append((t.flat[d - t.addr:d - t.addr + n], mem[start + o:start + o + n]))
+            self._device_copies(copies)   # before the answer: the producer frees after it
         return ""
 
     def _map(self, fields: list[Any]) -> torch.Tensor:
