@@ -19,20 +19,22 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from contract.errors import Forbidden, MeshError, PayloadTooLarge, RequestTimeout, Unauthorized, error_body
+from contract.errors import Forbidden, MeshError, RequestTimeout, Unauthorized, error_body
 from contract.snapshot import RoutingTable
 from mesh import __version__
 from mesh.admission import Admission
 from mesh.config import MeshConfig
 from mesh.dashboard import dashboard
+from mesh.downstream import AioClient, Client
 from mesh.fleet import Fleet, Registry, StaticRegistry
+from mesh.h1server import FastClient, FastServer
 from mesh.ledger import Ledger
 from mesh.metrics import Metrics
 from mesh.openapi import document as _openapi_document
@@ -75,6 +77,7 @@ class MeshState:
     admission: Admission
     upstream: Upstream
     proxy: Proxy
+    fast: FastServer | None = None   # the hot routes' server, once `start_site` serves the app
 
 
 STATE = web.AppKey("atomesh_state", MeshState)
@@ -134,34 +137,21 @@ async def admin_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 # -- OpenAI routes --------------------------------------------------------------------------
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body as one bytes object, copied at most once (the pieces joined; one piece as
-    it came): aiohttp's `read()` grows a bytearray and copies it out again, two to three copies of a
-    long prompt (bench/overhead.py --prompt-bytes). PayloadTooLarge past `limit` bytes."""
-    pieces: list[bytes] = []
-    size = 0
-    request.content.set_read_chunk_size(limit)   # as aiohttp's read(): no pause / resume cycles under the limit
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
-        pieces.append(chunk)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    st = request.app[STATE]
+async def generate(st: MeshState, kind: str, client: Client) -> Any:
+    """One generation request, whichever server took it (`mesh.downstream`): the API key before the
+    body (an unauthenticated client gets its 401 without us reading a byte), the body within its
+    deadline, parse, admission, the proxy. Returns the client's answer (whole, or the stream the
+    proxy wrote)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     status = 500
     rid = None
     try:
-        h = request.headers
-        # the key before the body: an unauthenticated client gets its 401 without us reading a byte
+        h = client.headers
         key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
         try:
             async with asyncio.timeout(st.cfg.limits.body_timeout_s):  # a slow upload holds no slot for long
-                raw = await read_body(request, st.cfg.limits.max_body_bytes)
+                raw = await client.body(st.cfg.limits.max_body_bytes)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {st.cfg.limits.body_timeout_s:g}s") from None
         # (type: ignore below) the route table maps this handler to one of the parser's request kinds
@@ -169,33 +159,37 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
         async with st.admission.slot(key_id):
-            resp = await st.proxy.handle(request, creq)
+            resp = await st.proxy.handle(client, creq)
         status = resp.status
         return resp
     except MeshError as e:
         status = e.status
         if e.status >= 500:
             log.warning("request %s failed: %s", rid, e.message)
-        resp = error_response(e, rid)
-        if isinstance(e, RequestTimeout):  # the rest of the body is not read: no keep-alive after it
-            resp.force_close()
-        return resp
+        headers = dict(e.headers)
+        headers["Content-Type"] = "application/json"
+        if rid:
+            headers["X-Request-Id"] = rid
+        # a 408 leaves the rest of the body unread: no keep-alive after it
+        return client.reply(e.body(), e.status, headers, close=isinstance(e, RequestTimeout))
     except asyncio.CancelledError:
         status = 499  # the client left
         raise
     except ConnectionResetError:  # the client left while we wrote to it: nobody to answer
         status = 499
-        return web.Response(status=499)
+        return client.reply(b"", 499, {})
     finally:
         st.metrics.request_done(kind, status, loop.time() - t0)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "completions")
+    resp: web.StreamResponse = await generate(request.app[STATE], "completions", AioClient(request))
+    return resp
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat")
+    resp: web.StreamResponse = await generate(request.app[STATE], "chat", AioClient(request))
+    return resp
 
 
 async def models(request: web.Request) -> web.Response:
@@ -391,18 +385,59 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     return app
 
 
+class _FastSite(web.BaseSite):
+    """A TCP site whose connections start on `mesh.h1server` (the hot routes) and go to aiohttp's
+    protocol for everything else."""
+
+    def __init__(self, runner: web.AppRunner, fast: FastServer, host: str, port: int, reuse_port: bool,
+                 backlog: int) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._fast, self._host, self._port, self._reuse_port = fast, host, port, reuse_port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        self._server = await asyncio.get_running_loop().create_server(
+            self._fast, self._host, self._port, reuse_address=True, reuse_port=self._reuse_port or None,
+            backlog=self._backlog)
+
+    async def stop(self) -> None:
+        """Stop listening; requests in flight get the runner's shutdown timeout to finish."""
+        if self._server is not None:
+            self._server.close()
+        await self._fast.shutdown(getattr(self._runner, "_shutdown_timeout", 60.0))
+        await super().stop()
+
+
 async def start_site(app: web.Application, host: str, port: int, keepalive_timeout: float = 75.0,
                      reuse_port: bool = False) -> web.AppRunner:
     """Start serving `app`; returns the runner (call `cleanup()` to stop). A connection is closed
     `keepalive_timeout` after it opened or answered its last request if no whole request head has
     arrived meanwhile: idle keep-alive connections, and slowloris ones trickling a head (aiohttp
-    does not move that deadline for bytes that complete nothing; its default is about an hour)."""
+    does not move that deadline for bytes that complete nothing; its default is about an hour).
+    The mesh's app is served through `mesh.h1server` (the two hot routes without aiohttp's
+    request objects; every other route and odd request still aiohttp's); any other app (a
+    worker's) by aiohttp alone."""
     # lingering_time: after an answer given before its body was read (a 408, a 413), at most 1 s of
     # the rest is read and dropped, then the connection closes (aiohttp's default is 10 s)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive_timeout,
                            lingering_time=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
+    site: web.BaseSite
+    if STATE in app and runner.server is not None:
+        st = app[STATE]
+
+        def handler(kind: str, client: FastClient) -> Awaitable[Any]:
+            return generate(st, kind, client)
+
+        fast = FastServer(handler, runner.server, keepalive_timeout, st.cfg.limits.max_body_bytes)
+        st.fast = fast
+        site = _FastSite(runner, fast, host, port, reuse_port, 1024)
+    else:
+        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
     await site.start()
     return runner
 

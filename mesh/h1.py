@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import ssl as _ssl
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from contract.snapshot import split_url
 
@@ -72,7 +72,7 @@ class H1Response:
 
     __slots__ = ("status", "headers", "_conn", "_buf", "_head_done", "_mode", "_left", "_chunks",
                  "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle",
-                 "_timer", "_wait_start")
+                 "_timer", "_wait_start", "_sink", "_held")
 
     def __init__(self, conn: _Conn, idle: float | None) -> None:
         self._conn = conn
@@ -94,6 +94,8 @@ class H1Response:
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None   # the idle check (`readany`)
         self._wait_start = 0.0
+        self._sink: Callable[[bytes], None] | None = None   # `relay`: body bytes go here as they are parsed
+        self._held = False                                  # `relay`: the sink asked for a pause
 
     # -- parsing (called by the protocol) ---------------------------------------------------
 
@@ -217,6 +219,18 @@ class H1Response:
     def _push(self, data: bytes) -> None:
         if not data:
             return
+        sink = self._sink
+        if sink is not None:
+            if self._error is not None:
+                return   # the relay has failed: the rest is dropped
+            if self._idle is not None:
+                self._wait_start = self._waiter.get_loop().time() if self._waiter is not None else self._wait_start
+            try:
+                sink(data)
+            except Exception as e:  # noqa: BLE001 - the sink's failure (a client gone) ends the relay with it
+                self._fail(e)
+                self._conn.abort()
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused and self._conn.transport is not None:
@@ -238,7 +252,8 @@ class H1Response:
                            + (f": {exc}" if exc else "")))
 
     def _fail(self, e: BaseException) -> None:
-        self._error = e
+        if self._error is None:   # the first failure is the one reported
+            self._error = e
         self._done = True
         self._keep = False
         if not self._head_waiter.done():
@@ -283,14 +298,60 @@ class H1Response:
             self._conn.transport.resume_reading()
         return data
 
+    async def relay(self, sink: Callable[[bytes], None]) -> None:
+        """The rest of the body to `sink`, called from the connection's `data_received` as the bytes
+        are parsed: no wake-up of a reading task per piece (an SSE relay's cost per event). Returns
+        at the end; raises as `readany` (an upstream failure; TimeoutError after `idle` without a
+        byte while not held); an exception from `sink` ends the relay and is raised here."""
+        if self._chunks:
+            data = b"".join(self._drain())
+            self._buffered = 0
+            if self._paused and self._conn.transport is not None:
+                self._paused = False
+                self._conn.transport.resume_reading()
+            sink(data)
+        if not self._done:
+            loop = asyncio.get_running_loop()
+            self._sink = sink
+            self._waiter = loop.create_future()
+            if self._idle is not None:
+                self._wait_start = loop.time()
+                if self._timer is None:
+                    self._timer = loop.call_at(self._wait_start + self._idle, self._idle_check)
+            try:
+                await self._waiter
+            finally:
+                self._sink = None
+                self._waiter = None
+        if self._error is not None:
+            raise self._error
+        self._release()
+
+    def hold(self) -> None:
+        """`relay`: stop reading from the upstream (the client reads slower than it writes)."""
+        if not self._held and self._conn.transport is not None:
+            self._held = True
+            self._conn.transport.pause_reading()
+
+    def unhold(self) -> None:
+        if self._held:
+            self._held = False
+            if self._waiter is not None:
+                self._wait_start = self._waiter.get_loop().time()   # the idle clock restarts
+            if self._conn.transport is not None and not self._conn.closed:
+                self._conn.transport.resume_reading()
+
     def _idle_check(self) -> None:
         """The idle timer fired: fail a wait that has lasted `idle`, else re-arm for the current
-        wait's deadline (none waiting: the next wait arms it)."""
+        wait's deadline (none waiting: the next wait arms it). A held relay is not idle."""
         self._timer = None
         w = self._waiter
         if w is None or w.done() or self._idle is None:
             return
         loop = w.get_loop()
+        if self._held:
+            self._timer = loop.call_at(loop.time() + self._idle, self._idle_check)
+            return
         due = self._wait_start + self._idle
         if loop.time() >= due:
             w.set_exception(TimeoutError())

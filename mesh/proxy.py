@@ -37,7 +37,6 @@ from types import MappingProxyType
 from typing import Any, Awaitable, Callable
 
 import orjson
-from aiohttp import web
 
 from contract.errors import (
     KVSourceLost,
@@ -53,6 +52,7 @@ from contract.protocol import KV_PULL_HEADER
 from contract.snapshot import View, Worker
 from contract.sse import Answer
 from mesh.config import MeshConfig
+from mesh.downstream import Client, Stream
 from mesh.fanout import Merge, Part, needs_split, split
 from mesh.fleet import Fleet
 from mesh.flows import FLOWS, Bootstrap, Flow, Handoff
@@ -127,7 +127,7 @@ class Decoded:
     leg: Leg
     first: bytes
     t_leg: float                                  # when the decode's part of the request began
-    early: web.StreamResponse | None = None       # the client's stream, open with token 0 already
+    early: Stream | None = None       # the client's stream, open with token 0 already
     settle: Callable[[], None] | None = None      # the ledger's decode_done and the span's end
 
     def close(self) -> None:
@@ -135,6 +135,25 @@ class Decoded:
         if self.settle is not None:
             self.settle()
             self.settle = None
+
+
+class Events:
+    """Whole SSE events out of a byte stream; what follows the last event boundary waits."""
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.pending and chunk.endswith(SSE_END):
+            return chunk
+        buf = self.pending + chunk
+        cut = buf.rfind(SSE_END)
+        if cut < 0:
+            self.pending = buf
+            return b""
+        self.pending = buf[cut + 2:]
+        return buf[:cut + 2]
 
 
 def error_event(err: MeshError) -> bytes:
@@ -159,7 +178,7 @@ class Proxy:
         self.tracing = tracing
         self._pulls = PullBlame()
 
-    async def handle(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+    async def handle(self, request: Client, creq: ClientRequest) -> Any:
         if self.tracing is None:
             return await (self.pd(request, creq) if self.cfg.pd else self.regular(request, creq))
         with self.tracing.request(creq.request_id, creq.path, creq.model, creq.stream) as span:
@@ -172,7 +191,7 @@ class Proxy:
             span.set_attribute("http.response.status_code", resp.status)
             return resp
 
-    def _headers(self, request: web.Request, creq: ClientRequest) -> dict[str, str]:
+    def _headers(self, request: Client, creq: ClientRequest) -> dict[str, str]:
         h = {"Content-Type": "application/json", "X-Request-Id": creq.request_id}
         if self.cfg.forward_client_auth and "Authorization" in request.headers:
             h["Authorization"] = request.headers["Authorization"]
@@ -213,19 +232,19 @@ class Proxy:
 
     # -- PD -------------------------------------------------------------------------------
 
-    async def pd(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+    async def pd(self, request: Client, creq: ClientRequest) -> Any:
         t0 = asyncio.get_running_loop().time()
         if needs_split(creq):
             cands = self.fleet.table.candidates("prefill", creq.model)
             if cands and FLOWS[cands[0].record.dialect].fanout:
                 return await self._fanout(request, creq, t0)
         d = await self._pair(request, creq, t0, allow_early=True)
-        if isinstance(d, web.StreamResponse):
+        if not isinstance(d, Decoded):   # the stream ended early (an error event)
             return d
         return await self._relay(request, creq, d, t0)
 
-    async def _pair(self, request: web.Request, creq: ClientRequest, t0: float,
-                    allow_early: bool) -> Decoded | web.StreamResponse:
+    async def _pair(self, request: Client, creq: ClientRequest, t0: float,
+                    allow_early: bool) -> Decoded | Any:
         """Run the request on a (pipeline, decode) pair; while nothing has reached the client, a
         failed pair is replaced by a new one (`retries` times, jittered backoff)."""
         not_p: tuple[Worker, ...] = ()
@@ -255,8 +274,8 @@ class Proxy:
                 log.info("request %s: %s; re-pairing", creq.request_id, rp.cause.message)
                 await asyncio.sleep(self._backoff(attempt))
 
-    async def _prefill_first(self, request: web.Request, creq: ClientRequest, flow: Flow, pw: Worker,
-                             dw: Worker, t0: float, allow_early: bool) -> Decoded | web.StreamResponse:
+    async def _prefill_first(self, request: Client, creq: ClientRequest, flow: Flow, pw: Worker,
+                             dw: Worker, t0: float, allow_early: bool) -> Decoded | Any:
         """The prefill leg, then the decode leg with the flow's hand-off."""
         tracked = flow.tracked(pw)
         drains = flow.drains and not tracked
@@ -376,7 +395,7 @@ class Proxy:
             self._end(span)
         return Decoded(leg, first, t1, early, settle)
 
-    async def _concurrent(self, request: web.Request, creq: ClientRequest, flow: Any, pw: Worker, dw: Worker,
+    async def _concurrent(self, request: Client, creq: ClientRequest, flow: Any, pw: Worker, dw: Worker,
                           t0: float) -> Decoded:
         """Both legs at once, meeting on the flow's rendezvous; the decode answers the client."""
         pbody, dbody = flow.bodies(creq, pw)
@@ -468,8 +487,8 @@ class Proxy:
         self.metrics.drain("failed")
         self.ledger.unreclaimable(e, why)
 
-    async def _send_first_token(self, request: web.Request, creq: ClientRequest, pres: dict[str, Any],
-                                h: Handoff, t0: float) -> web.StreamResponse:
+    async def _send_first_token(self, request: Client, creq: ClientRequest, pres: dict[str, Any],
+                                h: Handoff, t0: float) -> Any:
         """Open the client's stream with the prefill's token: TTFT is the prefill's latency."""
         try:
             c0 = pres["choices"][0]
@@ -479,9 +498,8 @@ class Proxy:
             text, lps = None, None
         if not isinstance(text, str):
             raise UpstreamError("prefill answer has no first-token text to send early")
-        out = web.StreamResponse(status=200, headers={
+        out = await request.open_stream(200, {
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
-        await out.prepare(request)
         ans = Answer(creq.kind, creq.model, creq.request_id, h.params.get("response_meta"))
         ids = [h.first_token_id] if creq.body.get("return_token_ids") and h.first_token_id is not None else None
         await out.write(ans.first_chunk() + ans.chunk(text, None, ids, logprobs=lps if isinstance(lps, dict) else None))
@@ -490,7 +508,7 @@ class Proxy:
 
     # -- several sequences in one request ------------------------------------------------------
 
-    async def _fanout(self, request: web.Request, creq: ClientRequest, t0: float) -> web.StreamResponse:
+    async def _fanout(self, request: Client, creq: ClientRequest, t0: float) -> Any:
         parts = split(creq)
         sem = asyncio.Semaphore(FANOUT_CONCURRENCY)
 
@@ -518,14 +536,12 @@ class Proxy:
                 for d in decs:
                     d.close()
             self.metrics.leg("decode", asyncio.get_running_loop().time() - min(d.t_leg for d in decs))
-            return web.Response(body=body, headers={"Content-Type": "application/json",
-                                                    "X-Request-Id": creq.request_id})
+            return request.reply(body, 200, {"Content-Type": "application/json", "X-Request-Id": creq.request_id})
         return await self._merged_stream(request, creq, parts, decs, merge, t0)
 
-    async def _merged_stream(self, request: web.Request, creq: ClientRequest, parts: list[Part],
-                             decs: list[Decoded], merge: Merge, t0: float) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
+    async def _merged_stream(self, request: Client, creq: ClientRequest, parts: list[Part],
+                             decs: list[Decoded], merge: Merge, t0: float) -> Any:
+        out: Stream | None = None
         q: asyncio.Queue[tuple[Part, bytes | None]] = asyncio.Queue()
 
         async def pump(p: Part, d: Decoded) -> None:
@@ -549,7 +565,8 @@ class Proxy:
 
         tasks = [asyncio.ensure_future(pump(p, d)) for p, d in zip(parts, decs)]
         try:
-            await out.prepare(request)
+            out = await request.open_stream(200, {
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
             self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
             left = len(tasks)
             while left:
@@ -566,8 +583,8 @@ class Proxy:
             await out.write(merge.tail())
             await out.write_eof()
             return out
-        except ConnectionResetError:
-            return out
+        except ConnectionResetError:   # the client left
+            return out if out is not None else request.reply(b"", 499, {})
         finally:
             for t in tasks:
                 t.cancel()
@@ -575,7 +592,7 @@ class Proxy:
 
     # -- regular --------------------------------------------------------------------------
 
-    async def regular(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
+    async def regular(self, request: Client, creq: ClientRequest) -> Any:
         t0 = asyncio.get_running_loop().time()
         w = self._pick("worker", creq)
         headers = self._headers(request, creq)
@@ -613,7 +630,7 @@ class Proxy:
                          e.message, w.id)
                 await asyncio.sleep(self._backoff(len(tried)))
 
-    async def _relay(self, request: web.Request, creq: ClientRequest, d: Decoded, t0: float) -> web.StreamResponse:
+    async def _relay(self, request: Client, creq: ClientRequest, d: Decoded, t0: float) -> Any:
         loop = asyncio.get_running_loop()
         role = d.leg.role
         resp = d.leg.resp
@@ -622,14 +639,12 @@ class Proxy:
             ctype = resp.headers.get("content-type", "application/json")
             if not creq.stream:
                 self.metrics.leg(role, loop.time() - d.t_leg)
-                return web.Response(body=d.first, status=resp.status,
-                                    headers={"Content-Type": ctype, "X-Request-Id": creq.request_id})
+                return request.reply(d.first, resp.status, {"Content-Type": ctype, "X-Request-Id": creq.request_id})
             if d.early is not None:  # the stream is open: the first token went out already
                 out = d.early
             else:
-                out = web.StreamResponse(status=resp.status, headers={
+                out = await request.open_stream(resp.status, {
                     "Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
-                await out.prepare(request)
                 self.metrics.ttft(creq.kind, loop.time() - t0)
             try:
                 await self._pump(out, d.leg, d.first)
@@ -641,34 +656,45 @@ class Proxy:
         finally:
             d.close()
 
-    async def _pump(self, out: web.StreamResponse, leg: Leg, first: bytes) -> None:
+    async def _pump(self, out: Stream, leg: Leg, first: bytes) -> None:
         """Relay SSE bytes as they come. Only whole events go out, so an upstream cut mid-event
-        can be followed by a clean `error` event the client's SSE parser understands."""
-        assert leg.resp is not None
-        read = leg.resp.readany
-        pending = b""
-        chunk = first
-        while True:
-            if not pending and chunk.endswith(SSE_END):
-                await out.write(chunk)
+        can be followed by a clean `error` event the client's SSE parser understands. To the fast
+        server's stream (`write_now`) the bytes go from the upstream's `data_received` itself
+        (`H1Response.relay`): no task wakes per event."""
+        resp = leg.resp
+        assert resp is not None
+        events = Events()
+        now = getattr(out, "write_now", None)
+        try:
+            if now is not None:
+                def sink(chunk: bytes) -> None:
+                    whole = events.feed(chunk)
+                    if whole and now(whole):   # the client reads slower than the decode writes
+                        resp.hold()
+                        out.on_resume(resp.unhold)  # type: ignore[attr-defined]  # a FastStream, as write_now
+                sink(first)
+                await resp.relay(sink)
             else:
-                buf = pending + chunk
-                cut = buf.rfind(SSE_END)
-                if cut >= 0:
-                    await out.write(buf[:cut + 2])
-                pending = buf[cut + 2:] if cut >= 0 else buf
-            try:
-                chunk = await read()
-            except OSError as e:  # H1Error, TimeoutError (idle), socket errors
-                kind = "timeout" if isinstance(e, TimeoutError) else "transport"
-                leg.failed(f"midstream_{kind}")
-                err: MeshError = (UpstreamTimeout(f"{leg.role} worker {leg.w.id} stalled mid-stream")
-                                  if kind == "timeout" else
-                                  UpstreamError(f"{leg.role} worker {leg.w.id} failed mid-stream: {e}"))
-                await out.write(error_event(err))
-                break
-            if not chunk:
-                if pending:
-                    await out.write(pending)
-                break
+                read = resp.readany
+                chunk = first
+                while True:
+                    whole = events.feed(chunk)
+                    if whole:
+                        await out.write(whole)
+                    chunk = await read()
+                    if not chunk:
+                        break
+        except ConnectionResetError:   # the client left (an upstream's failure is an H1Error)
+            raise
+        except OSError as e:  # H1Error, TimeoutError (idle), socket errors
+            kind = "timeout" if isinstance(e, TimeoutError) else "transport"
+            leg.failed(f"midstream_{kind}")
+            err: MeshError = (UpstreamTimeout(f"{leg.role} worker {leg.w.id} stalled mid-stream")
+                              if kind == "timeout" else
+                              UpstreamError(f"{leg.role} worker {leg.w.id} failed mid-stream: {e}"))
+            await out.write(error_event(err))
+            await out.write_eof()
+            return
+        if events.pending:
+            await out.write(events.pending)
         await out.write_eof()

@@ -202,3 +202,57 @@ async def test_a_connection_idle_past_idle_s_is_closed_not_reused():
             assert conns[0].is_closing()   # the stale one was closed, not left open
     finally:
         await pool.close()
+
+
+async def test_relay_hands_every_piece_to_the_sink_and_reuses_the_connection(pool):
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, port, conns = await raw_server(lambda req: [head, b"2\r\nab\r\n", 0.05, b"1\r\nc\r\n3\r\nde", 0.05,
+                                                        b"f\r\n0\r\n\r\n"])
+    async with server:
+        for _ in range(2):
+            r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+            first = await r.readany()
+            got = [first]
+            await r.relay(got.append)
+            assert b"".join(got) == b"abcdef" and len(got) >= 3    # pieces as they came, not one read
+            assert r._timer is None
+        assert len(conns) == 1                                       # read to its end: back to the pool
+
+
+async def test_relay_idle_timeout_and_a_hold_is_not_idle(pool):
+    """A relay whose upstream goes quiet for `idle` raises TimeoutError; one held by its sink
+    (the client reads slowly) does not, and every byte arrives after `unhold`."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, port, _ = await raw_server(lambda req: [head, b"1\r\na\r\n", 5.0])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=0.2)
+        with pytest.raises(TimeoutError):
+            await r.relay(lambda b: None)
+        r.close()
+    pieces = [head, b"1\r\na\r\n"] + [b"1\r\nb\r\n"] * 5 + [b"0\r\n\r\n"]
+    server, port, _ = await raw_server(lambda req: pieces)
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=0.2)
+        got: list[bytes] = []
+
+        def sink(b: bytes) -> None:
+            got.append(b)
+            if len(got) == 1:
+                r.hold()
+                asyncio.get_running_loop().call_later(0.6, r.unhold)   # held three times `idle`
+        await r.relay(sink)
+        assert b"".join(got) == b"abbbbb"
+
+
+async def test_a_failing_sink_ends_the_relay_with_its_error(pool):
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, port, conns = await raw_server(lambda req: [head, b"1\r\na\r\n", 0.05, b"1\r\nb\r\n", 0.05,
+                                                        b"0\r\n\r\n"])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+
+        def sink(b: bytes) -> None:
+            raise ConnectionResetError("the client left")
+        with pytest.raises(ConnectionResetError):
+            await r.relay(sink)
+        r.close()

@@ -1,0 +1,151 @@
+"""The mesh's own HTTP/1.1 server for the two hot routes (`mesh.h1server`): what it takes, what it
+hands to aiohttp, and the ways a client can abuse a hand-written parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from workers.mock import FleetSpec
+
+BODY = b'{"model": "mock-model", "prompt": "hello there", "max_tokens": 3}'
+
+
+def _post(path: str = "/v1/completions", body: bytes = BODY, extra: bytes = b"") -> bytes:
+    return (b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%bContent-Length: %d\r\n\r\n%b"
+            % (path.encode(), extra, len(body), body))
+
+
+async def _answer(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One answer off the connection: its head and its body (Content-Length or chunked)."""
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+    h = {k.lower(): v for k, _, v in (ln.partition(b": ") for ln in head.split(b"\r\n")[1:] if ln)}
+    if b"content-length" in h:
+        return head, await asyncio.wait_for(r.readexactly(int(h[b"content-length"])), 10)
+    out = b""
+    while True:
+        n = int((await asyncio.wait_for(r.readuntil(b"\r\n"), 10)).strip(), 16)
+        chunk = await r.readexactly(n + 2)
+        if n == 0:
+            return head, out
+        out += chunk[:-2]
+
+
+async def _close(w: asyncio.StreamWriter) -> None:
+    w.close()
+    try:
+        await w.wait_closed()
+    except ConnectionError:
+        pass
+
+
+async def _conn(pd):
+    port = int(pd.url.rsplit(":", 1)[1])
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_hot_routes_are_served_without_aiohttp_and_keep_alive(make_pd):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    fast = pd.state.fast
+    r, w = await _conn(pd)
+    for path in ("/v1/completions", "/v1/completions", "/v1/chat/completions"):
+        body = BODY if "chat" not in path else (
+            b'{"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}')
+        w.write(_post(path, body, b"X-Request-Id: rid-1\r\n"))
+        head, got = await _answer(r)
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"X-Request-Id: rid-1" in head and b"Date: " in head
+        assert json.loads(got)["usage"]["completion_tokens"] == 3
+    assert fast.handed == 0 and len(fast.conns) == 1     # one connection, three requests, no aiohttp
+    await _close(w)
+    assert await pd.wait_released() == 0
+
+
+async def test_pipelined_requests_are_answered_in_order(make_pd):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    r, w = await _conn(pd)
+    bodies = [b'{"model": "mock-model", "prompt": "p%d", "max_tokens": %d}' % (i, i + 1) for i in range(3)]
+    w.write(b"".join(_post(body=b, extra=b"X-Request-Id: r%d\r\n" % i) for i, b in enumerate(bodies)))
+    for i in range(3):
+        head, got = await _answer(r)
+        assert b"X-Request-Id: r%d" % i in head and json.loads(got)["usage"]["completion_tokens"] == i + 1
+    await _close(w)
+
+
+async def test_other_routes_and_odd_requests_go_to_aiohttp_on_the_same_connection(make_pd):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    fast = pd.state.fast
+    r, w = await _conn(pd)
+    w.write(_post())                                   # fast ...
+    head, _ = await _answer(r)
+    assert head.startswith(b"HTTP/1.1 200")
+    w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # ... then aiohttp for the rest of the connection
+    head, got = await _answer(r)
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["status"] == "ok"
+    w.write(_post())
+    head, _ = await _answer(r)
+    assert head.startswith(b"HTTP/1.1 200") and fast.handed == 1
+    await _close(w)
+    # a chunked upload is aiohttp's to read
+    r, w = await _conn(pd)
+    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
+            % (len(BODY), BODY))
+    head, got = await _answer(r)
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 3
+    await _close(w)
+
+
+@pytest.mark.parametrize("raw,status", [
+    # request smuggling: two lengths, or a length and chunked framing, are refused (by aiohttp, as before)
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length : 5\r\n\r\nhello", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n folded: header\r\nContent-Length: 2\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 9000 + b"\r\n\r\n", 400),   # a head too long
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\nnot json", 400),
+])
+async def test_malformed_requests_get_a_clear_error(make_pd, raw, status):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    r, w = await _conn(pd)
+    w.write(raw)
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+    assert head.split(b" ")[1] == b"%d" % status, head
+    await _close(w)
+
+
+async def test_a_client_that_leaves_mid_stream_cuts_the_request_and_frees_its_kv(make_pd):
+    from workers.mock import MockTiming
+
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, timing=MockTiming(decode_ms_per_token=60)))
+    r, w = await _conn(pd)
+    w.write(_post(body=b'{"model": "mock-model", "prompt": "hi", "max_tokens": 400, "stream": true}'))
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+    await asyncio.wait_for(r.readuntil(b"data:"), 10)
+    w.transport.abort()
+    await _close(w)
+    assert await pd.wait_released() == 0
+    for _ in range(100):
+        if not pd.state.fleet.in_flight or not any(pd.state.fleet.in_flight.values()):
+            break
+        await asyncio.sleep(0.05)
+    assert not any(pd.state.fleet.in_flight.values())
+
+
+async def test_the_openai_sdk_streams_through_the_fast_server(make_pd):
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    client = openai.AsyncOpenAI(base_url=pd.url + "/v1", api_key="none")
+    try:
+        text = ""
+        async for ev in await client.completions.create(model="mock-model", prompt="hello", max_tokens=5,
+                                                         stream=True):
+            text += ev.choices[0].text if ev.choices else ""
+        whole = await client.completions.create(model="mock-model", prompt="hello", max_tokens=5)
+        assert whole.usage is not None and whole.usage.completion_tokens == 5 and text
+    finally:
+        await client.close()
+    assert pd.state.fast.handed == 0
