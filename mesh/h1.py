@@ -169,6 +169,10 @@ class H1Response:
             self._chunked(data)
 
     def _chunked(self, data: bytes) -> None:
+        if self._left == -1 and not self._buf:
+            data = self._whole_chunks(data)
+            if not data:
+                return
         buf = self._buf
         buf += data
         pos = 0
@@ -215,6 +219,28 @@ class H1Response:
             self._push(c)
         if self._done and buf:
             raise H1Error("bytes after the last chunk")
+
+    def _whole_chunks(self, data: bytes) -> bytes:
+        """The common case of an SSE relay, each read whole chunks: pushed without the buffer
+        (one slice each). Returns what is left for the general parser (a partial chunk, the last
+        chunk and its trailers, anything odd)."""
+        pos, n = 0, len(data)
+        while pos < n:
+            end = data.find(b"\r\n", pos, pos + 4096)
+            if end < 0:
+                break
+            try:
+                size = int(data[pos:end].split(b";", 1)[0], 16)
+            except ValueError:
+                break   # the general parser raises on it
+            stop = end + 2 + size
+            if size <= 0 or stop + 2 > n or data[stop:stop + 2] != b"\r\n":
+                break
+            self._push(data[end + 2:stop])
+            pos = stop + 2
+            if self._done:   # a failed relay: what follows is dropped
+                return b""
+        return data[pos:] if pos else data
 
     def _push(self, data: bytes) -> None:
         if not data:
