@@ -267,7 +267,7 @@ class Conn(asyncio.Protocol):
         buf = self.buf
         end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
         if end < 0:
-            if len(buf) > MAX_HEAD:
+            if len(buf) > MAX_HEAD or b"\n\n" in buf or b"\n\r\n" in buf:   # too long, or bare-LF lines
                 self._hand_over()
             return
         try:
@@ -289,7 +289,8 @@ class Conn(asyncio.Protocol):
             name, sep, value = line.partition(":")
             name = name.lower()
             # anything odd (no colon, folded or spaced names, a repeated framing header) is aiohttp's to refuse
-            if (not sep or not name or name != name.strip() or not name.isascii() or " " in name
+            if (not sep or not name or name != name.strip() or not name.isascii() or not name.isprintable()
+                    or " " in name or not value.isprintable()
                     or (name in headers and name in ("content-length", "host", "authorization"))):
                 self._hand_over()
                 return

@@ -106,6 +106,8 @@ async def test_other_routes_and_odd_requests_go_to_aiohttp_on_the_same_connectio
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n folded: header\r\nContent-Length: 2\r\n\r\n{}", 400),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 9000 + b"\r\n\r\n", 400),   # a head too long
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", 413),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad\x00Name: y\r\nContent-Length: 2\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \xef\xbc\x95\r\n\r\nhello", 400),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\nnot json", 400),
 ])
 async def test_malformed_requests_get_a_clear_error(make_pd, raw, status):
@@ -149,3 +151,14 @@ async def test_the_openai_sdk_streams_through_the_fast_server(make_pd):
     finally:
         await client.close()
     assert pd.state.fast.handed == 0
+
+
+async def test_a_head_with_bare_lf_lines_is_not_left_waiting(make_pd):
+    """A client ending its head lines with LF alone gets an answer (aiohttp's), not a wait for a
+    CRLF CRLF that never comes."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    r, w = await _conn(pd)
+    w.write(b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: %d\n\n%b" % (len(BODY), BODY))
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+    assert head.split(b" ")[1] in (b"200", b"400"), head
+    await _close(w)
