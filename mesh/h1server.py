@@ -6,7 +6,8 @@ for a JSON answer and about 0.12 ms for a 64-event SSE stream against a plain as
 
 What this server takes: `POST /v1/completions` and `POST /v1/chat/completions`, HTTP/1.1, a body
 framed by Content-Length (over the body limit: a 413 once the API key is checked, the body never
-read), no `Expect`, no `Transfer-Encoding`. Anything else on the connection (another route, a
+read), no `Transfer-Encoding`, no `Expect` other than `100-continue` (answered at once, as aiohttp
+does). Anything else on the connection (another route, a
 malformed or oversized head, a repeated framing header, chunked uploads, HTTP/1.0)
 is handed, with the bytes already read, to aiohttp's own protocol for the rest of the connection:
 aiohttp keeps answering every other route, and every odd case, as before. Requests are answered
@@ -296,8 +297,10 @@ class Conn(asyncio.Protocol):
                 return
             headers[name] = value.strip(" \t")
         cl = headers.get("content-length", "0")
-        if "transfer-encoding" in headers or "expect" in headers or not cl.isdigit() or not cl.isascii():
-            self._hand_over()
+        expect = headers.get("expect")
+        if ("transfer-encoding" in headers or not cl.isdigit() or not cl.isascii()
+                or (expect is not None and expect.lower() != "100-continue")):
+            self._hand_over()   # (aiohttp answers another expectation with its 417)
             return
         over = int(cl) > self.srv.max_body   # refused (413) once the API key is checked; the body never read
         if self._timer is not None:
@@ -306,6 +309,8 @@ class Conn(asyncio.Protocol):
         conn_hdr = headers.get("connection", "").lower()
         self.keep_alive = "close" not in conn_hdr
         req = self.req = FastClient(self, headers, 0 if over else int(cl), over)
+        if expect is not None and not over and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")   # curl's large uploads wait for it
         rest = buf[end + 4:]
         self.buf = b""
         if rest:

@@ -162,3 +162,17 @@ async def test_a_head_with_bare_lf_lines_is_not_left_waiting(make_pd):
     head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
     assert head.split(b" ")[1] in (b"200", b"400"), head
     await _close(w)
+
+
+async def test_expect_100_continue_is_answered_before_the_body(make_pd):
+    """curl sends `Expect: 100-continue` with large uploads and waits for the interim answer."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    r, w = await _conn(pd)
+    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+            % len(BODY))
+    assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    w.write(BODY)
+    head, got = await _answer(r)
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 3
+    assert pd.state.fast.handed == 0
+    await _close(w)
