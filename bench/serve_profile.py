@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=8.0, help="py-spy's sampling time per setting")
+    ap.add_argument("--settings", default="default,omp1", help="which of: default, omp1")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     import torch
@@ -46,7 +47,9 @@ def main() -> None:
     generate(d, tiny_config(**SIZES[a.size]), seed=0, dtype=getattr(torch, a.dtype))
     spy = shutil.which("py-spy")
     res = {"cpus": os.cpu_count(), "torch_threads_default": torch.get_num_threads(), "rows": []}
-    for name, env in (("default", {}), ("omp1", {"OMP_NUM_THREADS": "1"})):
+    settings = {"default": {}, "omp1": {"OMP_NUM_THREADS": "1"}}
+    for name in a.settings.split(","):
+        env = settings[name]
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
