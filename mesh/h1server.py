@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 HOT = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat"}
 MAX_HEAD = 8190            # as aiohttp's line limit: a head past it goes to aiohttp, which refuses it
-PIPELINE_LIMIT = 1 << 20   # bytes buffered past the request being answered before reading pauses
+PIPELINE_LIMIT = 1 << 20   # bytes buffered past the request being answered before reading pauses (plus one read)
 LINGER_S = 1.0
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _date: list[Any] = [0, b""]

@@ -176,3 +176,27 @@ async def test_expect_100_continue_is_answered_before_the_body(make_pd):
     assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 3
     assert pd.state.fast.handed == 0
     await _close(w)
+
+
+async def test_a_pipelining_flood_is_bounded_and_the_request_still_answered(make_pd):
+    """A client that sends megabytes past the request being answered gets its reading paused
+    (the mesh buffers at most PIPELINE_LIMIT past it), and still gets its answer."""
+    from mesh.h1server import PIPELINE_LIMIT
+    from workers.mock import MockTiming
+
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, timing=MockTiming(decode_ms_per_token=100)))
+    r, w = await _conn(pd)
+    w.write(_post(body=b'{"model": "mock-model", "prompt": "hi", "max_tokens": 5}'))
+    junk = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}" * 20000   # ~1.4 MB
+    w.write(junk)
+    conn = next(iter(pd.state.fast.conns))
+    for _ in range(100):
+        if not conn.reading:
+            break
+        await asyncio.sleep(0.02)
+    assert not conn.reading and len(conn.buf) <= PIPELINE_LIMIT + 262144   # paused: at most one read (256 KiB) past
+    head, got = await _answer(r)
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 5
+    w.transport.abort()
+    await _close(w)
+    assert await pd.wait_released() == 0
