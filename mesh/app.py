@@ -90,11 +90,16 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                         headers=headers)
 
 
-def error_response(e: MeshError, request_id: str | None = None) -> web.Response:
-    headers = dict(e.headers)
+def error_headers(e: MeshError, request_id: str | None = None) -> dict[str, str]:
+    """An error answer's headers: the error's own (Retry-After, Allow), its type, the request id."""
+    headers = {**e.headers, "Content-Type": "application/json"}
     if request_id:
         headers["X-Request-Id"] = request_id
-    return web.Response(body=e.body(), status=e.status, content_type="application/json", headers=headers)
+    return headers
+
+
+def error_response(e: MeshError, request_id: str | None = None) -> web.Response:
+    return web.Response(body=e.body(), status=e.status, headers=error_headers(e, request_id))
 
 
 @web.middleware
@@ -166,12 +171,8 @@ async def generate(st: MeshState, kind: str, client: Client) -> Any:
         status = e.status
         if e.status >= 500:
             log.warning("request %s failed: %s", rid, e.message)
-        headers = dict(e.headers)
-        headers["Content-Type"] = "application/json"
-        if rid:
-            headers["X-Request-Id"] = rid
         # a 408 leaves the rest of the body unread: no keep-alive after it
-        return client.reply(e.body(), e.status, headers, close=isinstance(e, RequestTimeout))
+        return client.reply(e.body(), e.status, error_headers(e, rid), close=isinstance(e, RequestTimeout))
     except asyncio.CancelledError:
         status = 499  # the client left
         raise

@@ -249,8 +249,8 @@ class H1Response:
         if sink is not None:
             if self._error is not None:
                 return   # the relay has failed: the rest is dropped
-            if self._idle is not None:
-                self._wait_start = self._waiter.get_loop().time() if self._waiter is not None else self._wait_start
+            if self._idle is not None and self._waiter is not None:
+                self._wait_start = self._waiter.get_loop().time()   # bytes came: the idle clock restarts
             try:
                 sink(data)
             except Exception as e:  # noqa: BLE001 - the sink's failure (a client gone) ends the relay with it
@@ -305,18 +305,26 @@ class H1Response:
                     raise self._error
                 self._release()
                 return b""
-            loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
-            if self._idle is not None:
-                # one timer per response, re-armed only when it fires early (not an asyncio.timeout
-                # per wait: an SSE relay waits once per upstream read, ~4 us each)
-                self._wait_start = loop.time()
-                if self._timer is None:
-                    self._timer = loop.call_at(self._wait_start + self._idle, self._idle_check)
             try:
-                await self._waiter
+                await self._wait()
             finally:
                 self._waiter = None
+        return self._take()
+
+    def _wait(self) -> asyncio.Future[None]:
+        """A new waiter for the next bytes (or the end), the idle clock started: one timer per
+        response, re-armed only when it fires early (not an asyncio.timeout per wait: an SSE relay
+        waits once per upstream read, ~4 us each)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        if self._idle is not None:
+            self._wait_start = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_at(self._wait_start + self._idle, self._idle_check)
+        return self._waiter
+
+    def _take(self) -> bytes:
+        """Everything queued, as one bytes object; reading resumes once the queue has drained."""
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
         self._buffered -= len(data)
         if self._paused and self._buffered < HIGH_WATER // 4 and self._conn.transport is not None:
@@ -330,22 +338,11 @@ class H1Response:
         at the end; raises as `readany` (an upstream failure; TimeoutError after `idle` without a
         byte while not held); an exception from `sink` ends the relay and is raised here."""
         if self._chunks:
-            data = b"".join(self._drain())
-            self._buffered = 0
-            if self._paused and self._conn.transport is not None:
-                self._paused = False
-                self._conn.transport.resume_reading()
-            sink(data)
+            sink(self._take())
         if not self._done:
-            loop = asyncio.get_running_loop()
             self._sink = sink
-            self._waiter = loop.create_future()
-            if self._idle is not None:
-                self._wait_start = loop.time()
-                if self._timer is None:
-                    self._timer = loop.call_at(self._wait_start + self._idle, self._idle_check)
             try:
-                await self._waiter
+                await self._wait()
             finally:
                 self._sink = None
                 self._waiter = None

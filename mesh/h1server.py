@@ -97,11 +97,10 @@ class FastStream:
         """Write without waiting (from an upstream's `data_received`); True while the client's
         buffer is full (the caller stops reading its source until `on_resume`)."""
         c = self._conn
-        if c.transport is None or c.closing:
-            raise ConnectionResetError("the client left")
+        t = c.open_transport()
         if data:
-            c.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if len(data) < 65536
-                              else b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
+            t.write(b"%x\r\n%b\r\n" % (len(data), data) if len(data) < 65536
+                    else b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
         return c.paused
 
     def on_resume(self, fn: Callable[[], None]) -> None:
@@ -116,10 +115,7 @@ class FastStream:
         if self._ended:
             return
         self._ended = True
-        c = self._conn
-        if c.transport is None or c.closing:
-            raise ConnectionResetError("the client left")
-        c.transport.write(b"0\r\n\r\n")
+        self._conn.open_transport().write(b"0\r\n\r\n")
 
 
 class FastClient:
@@ -166,9 +162,7 @@ class FastClient:
 
     async def open_stream(self, status: int, headers: dict[str, str]) -> FastStream:
         c = self._conn
-        if c.transport is None or c.closing:
-            raise ConnectionResetError("the client left")
-        c.transport.write(_head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n"))
+        c.open_transport().write(_head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n"))
         self.stream = FastStream(c, status)
         return self.stream
 
@@ -243,6 +237,12 @@ class Conn(asyncio.Protocol):
         fns, self.resumers = self.resumers, []
         for fn in fns:
             fn()
+
+    def open_transport(self) -> asyncio.Transport:
+        """The transport to write an answer to; ConnectionResetError once the client has left."""
+        if self.transport is None or self.closing:
+            raise ConnectionResetError("the client left")
+        return self.transport
 
     async def drained(self) -> None:
         if self._drain is None:

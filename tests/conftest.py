@@ -81,6 +81,15 @@ async def make_pd() -> AsyncIterator[Callable[..., Awaitable[PD]]]:
         await pd.fleet.close()
 
 
+async def close_writer(w: asyncio.StreamWriter) -> None:
+    """Close a raw test connection and wait for it, whatever state the server left it in."""
+    w.close()
+    try:
+        await w.wait_closed()
+    except ConnectionError:
+        pass
+
+
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:

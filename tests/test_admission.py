@@ -8,6 +8,7 @@ import pytest
 
 from contract.errors import Overloaded
 from mesh.admission import AdmissionConfig, Gate
+from tests.conftest import close_writer
 from workers.mock import FleetSpec, MockTiming
 
 BODY = {"model": "mock-model", "prompt": "admit me", "max_tokens": 5}
@@ -117,7 +118,7 @@ async def test_a_flood_of_malformed_requests_is_logged_once_per_peer_without_its
         w.write(b"GET / HTTP/1.1\r\nAuthorization: Bearer very-secret-token\r\nBad Header\x00: y\r\n\r\n")
         await w.drain()
         await r.read()
-        await _close(w)
+        await close_writer(w)
     lines = [rec for rec in caplog.records if rec.name == "aiohttp.server"]
     assert len(lines) <= 1 and all(rec.levelno == logging.WARNING for rec in lines), [r.getMessage() for r in lines]
     assert "very-secret-token" not in caplog.text and "Bad Header" not in caplog.text
@@ -159,7 +160,7 @@ async def test_slow_heads_and_slow_bodies_are_cut_off(make_pd):
             if r.at_eof() or (await _eof(r)):
                 closed = time.monotonic() - t0
                 break
-        await _close(w)
+        await close_writer(w)
         assert closed is not None and closed < 3.5, closed
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -167,7 +168,7 @@ async def test_slow_heads_and_slow_bodies_are_cut_off(make_pd):
         await w.drain()
         head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)   # the 408 ...
         body = await asyncio.wait_for(r.read(), 5)                      # ... and the server closes
-        await _close(w)
+        await close_writer(w)
         assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in body, (head, body)
         import aiohttp
 
@@ -186,9 +187,3 @@ async def _eof(r: asyncio.StreamReader) -> bool:
         return False
 
 
-async def _close(w: asyncio.StreamWriter) -> None:
-    w.close()
-    try:
-        await w.wait_closed()
-    except ConnectionError:
-        pass

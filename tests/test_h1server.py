@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 
+from tests.conftest import close_writer
 from workers.mock import FleetSpec
 
 BODY = b'{"model": "mock-model", "prompt": "hello there", "max_tokens": 3}'
@@ -34,14 +35,6 @@ async def _answer(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
         out += chunk[:-2]
 
 
-async def _close(w: asyncio.StreamWriter) -> None:
-    w.close()
-    try:
-        await w.wait_closed()
-    except ConnectionError:
-        pass
-
-
 async def _conn(pd):
     port = int(pd.url.rsplit(":", 1)[1])
     return await asyncio.open_connection("127.0.0.1", port)
@@ -59,7 +52,7 @@ async def test_hot_routes_are_served_without_aiohttp_and_keep_alive(make_pd):
         assert head.startswith(b"HTTP/1.1 200 OK") and b"X-Request-Id: rid-1" in head and b"Date: " in head
         assert json.loads(got)["usage"]["completion_tokens"] == 3
     assert fast.handed == 0 and len(fast.conns) == 1     # one connection, three requests, no aiohttp
-    await _close(w)
+    await close_writer(w)
     assert await pd.wait_released() == 0
 
 
@@ -71,7 +64,7 @@ async def test_pipelined_requests_are_answered_in_order(make_pd):
     for i in range(3):
         head, got = await _answer(r)
         assert b"X-Request-Id: r%d" % i in head and json.loads(got)["usage"]["completion_tokens"] == i + 1
-    await _close(w)
+    await close_writer(w)
 
 
 async def test_other_routes_and_odd_requests_go_to_aiohttp_on_the_same_connection(make_pd):
@@ -87,14 +80,14 @@ async def test_other_routes_and_odd_requests_go_to_aiohttp_on_the_same_connectio
     w.write(_post())
     head, _ = await _answer(r)
     assert head.startswith(b"HTTP/1.1 200") and fast.handed == 1
-    await _close(w)
+    await close_writer(w)
     # a chunked upload is aiohttp's to read
     r, w = await _conn(pd)
     w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
             % (len(BODY), BODY))
     head, got = await _answer(r)
     assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 3
-    await _close(w)
+    await close_writer(w)
 
 
 @pytest.mark.parametrize("raw,status", [
@@ -116,7 +109,7 @@ async def test_malformed_requests_get_a_clear_error(make_pd, raw, status):
     w.write(raw)
     head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
     assert head.split(b" ")[1] == b"%d" % status, head
-    await _close(w)
+    await close_writer(w)
 
 
 async def test_a_client_that_leaves_mid_stream_cuts_the_request_and_frees_its_kv(make_pd):
@@ -129,7 +122,7 @@ async def test_a_client_that_leaves_mid_stream_cuts_the_request_and_frees_its_kv
     assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
     await asyncio.wait_for(r.readuntil(b"data:"), 10)
     w.transport.abort()
-    await _close(w)
+    await close_writer(w)
     assert await pd.wait_released() == 0
     for _ in range(100):
         if not pd.state.fleet.in_flight or not any(pd.state.fleet.in_flight.values()):
@@ -161,7 +154,7 @@ async def test_a_head_with_bare_lf_lines_is_not_left_waiting(make_pd):
     w.write(b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: %d\n\n%b" % (len(BODY), BODY))
     head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
     assert head.split(b" ")[1] in (b"200", b"400"), head
-    await _close(w)
+    await close_writer(w)
 
 
 async def test_expect_100_continue_is_answered_before_the_body(make_pd):
@@ -175,7 +168,7 @@ async def test_expect_100_continue_is_answered_before_the_body(make_pd):
     head, got = await _answer(r)
     assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 3
     assert pd.state.fast.handed == 0
-    await _close(w)
+    await close_writer(w)
 
 
 async def test_a_pipelining_flood_is_bounded_and_the_request_still_answered(make_pd):
@@ -198,5 +191,5 @@ async def test_a_pipelining_flood_is_bounded_and_the_request_still_answered(make
     head, got = await _answer(r)
     assert head.startswith(b"HTTP/1.1 200") and json.loads(got)["usage"]["completion_tokens"] == 5
     w.transport.abort()
-    await _close(w)
+    await close_writer(w)
     assert await pd.wait_released() == 0
