@@ -22,8 +22,9 @@ from workers.engine.paged import available, paged_decode, table_width
 assert available("cpu")
 g = torch.Generator().manual_seed(1)
 # contexts from one position to several splits of blocks (splits with nothing live included)
+# (20 blocks: a width of 24, 6 splits, the merge's padded 8 steps masked past 6)
 for B, H, KVH, D, BS, NBLK, top in [(3, 4, 2, 16, 4, 40, 12), (2, 6, 2, 32, 16, 40, 3), (4, 8, 8, 16, 8, 40, 30),
-                                    (3, 4, 2, 16, 4, 40, 0)]:
+                                    (3, 4, 2, 16, 4, 40, 0), (2, 4, 2, 16, 4, 40, 20)]:
     pool = torch.randn(NBLK, 2, KVH, BS, D, dtype=torch.float64, generator=g)
     lens = torch.randint(1, top * BS, (B,), generator=g) if top else torch.ones(B, dtype=torch.long)
     if top:
@@ -43,6 +44,17 @@ for B, H, KVH, D, BS, NBLK, top in [(3, 4, 2, 16, 4, 40, 12), (2, 6, 2, 32, 16, 
                 ref = (q[b, h] @ k[kh].T * D ** -0.5).softmax(-1) @ v[kh]
                 err = (out[b, h] - ref).abs().max().item()
                 assert err < 1e-5, (B, H, KVH, b, h, per, err)
+# what a GPU engine compiles at start: every (batch, width) of a step maps to a listed variant
+# (blocks a split, warps, split or not, the merge's padded splits), whatever the widths; each runs
+from workers.engine.paged import compile_variants, split, variants
+got = variants(8, [1, 2, 4, 8, 16, 32, 64], 256)
+for B in (1, 2, 4, 8, 16, 32, 64):
+    for nb in {table_width(b) for b in range(1, 257)}:
+        per, w = split(nb, B * 8)
+        S = -(-nb // per)
+        assert (per, w, S > 1, 1 << (S - 1).bit_length() if S > 1 else 0) in got, (B, nb)
+assert len(got) < 30, got   # 245 (batch, width) pairs
+assert compile_variants(torch.zeros(9, 2, 2, 4, 16), 4, [1], 16, 0.25, 8) == len(variants(2, [1], 16))
 print("kernel ok")
 """
 

@@ -41,11 +41,17 @@ def available(device: torch.device | str) -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    # The table's width (NB) and the splits (S) are run-time arguments, not compile-time constants,
+    # and the table's address and row stride are not specialised on (a decode graph's table is a
+    # view at 40 B per row of the batch into its buffer: 16-byte aligned or not with the batch):
+    # one compiled kernel serves every context length. (A constant per width compiled a new kernel,
+    # ~1 s, each time a sequence first reached a new width, in the middle of serving.)
+    @triton.jit(do_not_specialize=["table_ptr", "lens_ptr", "s_tb", "NB", "S"],
+                do_not_specialize_on_alignment=["table_ptr", "lens_ptr", "s_tb"])
     def _paged_decode(q_ptr, kv_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, scale,
-                      s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb, s_ob, s_oh,
-                      G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                      PER: tl.constexpr, S: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
+                      s_qb, s_qh, s_blk, s_kv, s_kh, s_pos, s_tb, s_ob, s_oh, NB, S,
+                      G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                      PER: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -88,7 +94,7 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        if S == 1:   # one split: the output itself, in q's dtype (no partials, no merge)
+        if not SPLIT:   # one split: the output itself, in q's dtype (no partials, no merge)
             out = acc / l[:, None]
             tl.store(o_ptr + b * s_ob + (kh * G + g)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=gmask[:, None])
@@ -98,8 +104,8 @@ if triton is not None:
             tl.store(l_ptr + row * S + sp, l, mask=gmask)
             tl.store(acc_ptr + (row * S + sp)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
 
-    @triton.jit
-    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ob, s_oh, G: tl.constexpr, GP: tl.constexpr, S: tl.constexpr,
+    @triton.jit(do_not_specialize=["S"])
+    def _merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ob, s_oh, S, G: tl.constexpr, GP: tl.constexpr,
                SP: tl.constexpr, D: tl.constexpr):
         """The splits of one (sequence, KV head) merged: weights exp(m - max m), output in q's dtype."""
         b = tl.program_id(0)
@@ -115,10 +121,11 @@ if triton is not None:
         mx = tl.where(gmask, tl.max(ms, 1), 0.0)  # split 0 always holds position 0: finite
         out = tl.zeros([GP, D], tl.float32)
         den = tl.zeros([GP], tl.float32)
-        for j in range(0, S):
-            w = tl.exp(tl.load(m_ptr + row * S + j, mask=gmask, other=0.0) - mx)        # [GP]
-            den += tl.load(l_ptr + row * S + j, mask=gmask, other=1.0) * w
-            out += tl.load(acc_ptr + (row * S + j)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0) \
+        for j in range(0, SP):   # SP (a constant) steps, those past S masked: no loop bound known only at run time
+            live = gmask & (j < S)
+            w = tl.exp(tl.load(m_ptr + row * S + j, mask=live, other=float("-inf")) - mx)    # [GP]; 0 past S
+            den += tl.load(l_ptr + row * S + j, mask=live, other=0.0) * w
+            out += tl.load(acc_ptr + (row * S + j)[:, None] * D + d[None, :], mask=live[:, None], other=0.0) \
                 * w[:, None]
         out = out / den[:, None]
         tl.store(o_ptr + b * s_ob + (kh * G + g)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -160,9 +167,42 @@ def paged_decode(q: torch.Tensor, pool_layer: torch.Tensor, table: torch.Tensor,
     _paged_decode[(B, KVH, S)](q, pool_layer, table, lens, m, l, acc, out, scale,
                                q.stride(0), q.stride(1), pool_layer.stride(0), pool_layer.stride(1),
                                pool_layer.stride(2), pool_layer.stride(3), table.stride(0), out.stride(0), out.stride(1),
-                               G=G, GP=GP, BS=BS, D=D, NB=nb, PER=per, S=S, EXACT=q.dtype == torch.float32, DOT=dot,
-                               num_warps=num_warps, num_stages=num_stages)
+                               nb, S, G=G, GP=GP, BS=BS, D=D, PER=per, SPLIT=S > 1, EXACT=q.dtype == torch.float32,
+                               DOT=dot, num_warps=num_warps, num_stages=num_stages)
     if S > 1:
-        _merge[(B, KVH)](m, l, acc, out, out.stride(0), out.stride(1), G=G, GP=GP, S=S,
+        _merge[(B, KVH)](m, l, acc, out, out.stride(0), out.stride(1), S, G=G, GP=GP,
                          SP=triton.next_power_of_2(S), D=D)
     return out
+
+
+def variants(KVH: int, batches: list[int], max_blocks: int) -> dict[tuple[int, int, bool, int], tuple[int, int]]:
+    """The distinct compiled variants of the decode kernels that batches of `batches` sequences with
+    tables up to `max_blocks` wide launch, each with one (batch, width) that launches it: (blocks a
+    split, warps, split or not, the merge's padded split count). The width itself is a run-time
+    argument, so they are few."""
+    out: dict[tuple[int, int, bool, int], tuple[int, int]] = {}
+    widths = sorted({table_width(b) for b in range(1, max(1, max_blocks) + 1)})
+    for B in batches:
+        for nb in widths:
+            per, warps = split(nb, B * KVH)
+            S = -(-nb // per)
+            out.setdefault((per, warps, S > 1, triton.next_power_of_2(S) if S > 1 else 0), (B, nb))
+    return out
+
+
+def compile_variants(pool_layer: torch.Tensor, heads: int, batches: list[int], max_blocks: int,
+                     scale: float, scratch: int) -> int:
+    """Compile, before serving, every variant of the decode kernels (`variants`): Triton compiles
+    on first use (~1 s a variant on an H100), which in the middle of serving stalls every sequence
+    of the engine (issue 19: TTFT 2.2 s at 16 concurrent streams on a cold worker). Each is
+    launched once over `scratch` (a block no sequence holds). Returns how many were launched."""
+    _, _, KVH, _, D = pool_layer.shape
+    dev = pool_layer.device
+    todo = variants(KVH, batches, max_blocks)
+    for B, nb in todo.values():
+        q = torch.zeros(B, heads, D, dtype=pool_layer.dtype, device=dev)
+        table = torch.full((B, nb), scratch, dtype=torch.long, device=dev)
+        paged_decode(q, pool_layer, table, torch.ones(B, dtype=torch.long, device=dev), scale)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return len(todo)
