@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -130,6 +131,9 @@ class Client:
         return time.perf_counter() - t0, ttft
 
 
+PROFILE: str | None = None   # --profile: where py-spy's samples of the mesh go
+
+
 async def run_one(client: Client, target: str, stream: bool, conc: int, seconds: float,
                   mesh_proc: Any) -> Result:
     fn = client.via_mesh if target == "mesh" else client.direct
@@ -139,6 +143,12 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
     for _ in range(min(50, conc * 5) if not client.filler else 3):  # warm-up: connections and caches
         await fn(stream)
     stop_at = time.perf_counter() + seconds
+    spy = None
+    if PROFILE and target == "mesh":
+        mode = f"{'sse' if stream else 'json'}{len(client.filler) or ''}"
+        spy = subprocess.Popen(["py-spy", "record", "-p", str(mesh_proc.p.pid), "-r", "500", "-d", str(int(seconds)),
+                                "-f", "raw", "-o", str(Path(PROFILE) / f"spy-{mode}-c{conc}.txt")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def loop() -> None:
         nonlocal errors
@@ -155,6 +165,8 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
     await asyncio.gather(*(loop() for _ in range(conc)))
     dt = time.perf_counter() - t0
     cpu = sum(mesh_proc.cpu_times()[:2]) - cpu0
+    if spy is not None:
+        spy.wait(60)
     n = len(lat)
     return Result(target, "sse64" if stream else "json", conc, n, errors, round(dt, 3), round(n / dt, 1),
                   round(pct(lat, 0.5) * 1e3, 3), round(pct(lat, 0.99) * 1e3, 3),
@@ -287,10 +299,15 @@ if __name__ == "__main__":
                     "1000,220000,1000000), JSON at concurrency 1, the mesh's CPU per request and per kB")
     ap.add_argument("--anchors", action="store_true", help="instead: the mesh beside sglang-router and vllm-router "
                     "(installed into .venv-anchors) and the direct baseline, each in its dialect (bench/anchors.py)")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each of its runs: "
+                    "raw stacks to DIR/spy-<mode>-c<concurrency>.txt")
     ap.add_argument("--rss-minutes", type=float, default=0.0, help="instead: the mesh at its highest rate for this "
                     "many minutes, its RSS sampled (growth after the first minute)")
     args = ap.parse_args()
     args.prompt_bytes = [int(x) for x in args.prompt_bytes.split(",") if x]
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        PROFILE = args.profile
     if args.mesh_tree:  # the processes this script starts import the mesh from there
         os.environ["PYTHONPATH"] = str(Path(args.mesh_tree).resolve())
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
