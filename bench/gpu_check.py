@@ -145,7 +145,7 @@ def compiled_at_start(ckpt: Path, cfg: EngineConfig) -> None:
     capture_ms = (time.perf_counter() - t0) * 1e3 / shapes
     after = compiled()
     report("decode attention compiled at start: no compile at any bucket and width after", after == before,
-           variants=g.kernel_variants, warm_s=round(g.warm_s, 2), engine_start_s=round(start_s, 2),
+           variants=eng.kernel_variants, warm_s=round(eng.warm_s, 2), engine_start_s=round(start_s, 2),
            graph_shapes=shapes, capture_ms_per_shape=round(capture_ms, 2), compiled_before=before,
            compiled_after=after)
 

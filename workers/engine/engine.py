@@ -19,12 +19,15 @@ in flight and runs as before.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from workers.engine import paged
 from workers.engine import tokenizer as tok
 from workers.engine.checkpoint import load_weights
 from workers.engine.config import EngineConfig, ModelConfig, Parallel
@@ -33,6 +36,8 @@ from workers.engine.kv_cache import BlockManager, KVPool
 from workers.engine.model import ForwardBatch, LlamaStage, SeqSlice
 from workers.engine.sampling import Logprob, SamplingParams, logprob_of, sample
 from workers.engine.scheduler import Scheduler, SeqState, Sequence, Work
+
+log = logging.getLogger(__name__)
 
 Forward = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]  # (batch, input_ids) -> logits
 
@@ -120,6 +125,17 @@ class Engine:
             if graphs:
                 self.graphs = DecodeGraphs(self.model, self.pool, cfg.num_blocks, cfg.max_num_seqs, cfg.device,
                                            capture=cfg.graphs == "auto")
+        # the decode attention's compiled variants, all at start on a GPU (never while serving: Triton
+        # compiles a variant on first use, ~1 s, which would stall every sequence of the engine)
+        self.kernel_variants, self.warm_s = 0, 0.0
+        if self.model is not None and self.pool is not None and cfg.on_gpu and paged.available(cfg.device):
+            t0 = time.perf_counter()
+            self.kernel_variants = paged.compile_variants(
+                self.pool.layers[0], self.model.heads, list(range(1, cfg.max_num_seqs + 1)),
+                min(cfg.num_blocks, -(-mc.max_position_embeddings // cfg.block_size)), self.model.scale,
+                self.pool.layers[0].shape[0] - 1)   # the warm-up reads that block, writes nothing to the pool
+            self.warm_s = time.perf_counter() - t0
+            log.info("decode attention: %d kernel variants compiled in %.1f s", self.kernel_variants, self.warm_s)
         self.blocks = BlockManager(cfg.num_blocks)
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens)
         self._forward = forward or self._local_forward

@@ -23,8 +23,6 @@ buffer upload and one replay.
 
 from __future__ import annotations
 
-import logging
-import time
 from array import array
 from typing import Any
 
@@ -34,8 +32,6 @@ from workers.engine.kv_cache import KVPool
 from workers.engine.model import LlamaStage
 from workers.engine.paged import table_width
 from workers.engine.scheduler import Work
-
-log = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> int:
@@ -56,26 +52,6 @@ class DecodeGraphs:
         self.replays = 0
         # each row's greedy token of the last step run (rows past the batch: padding's, never read)
         self.tokens = torch.zeros(max(self.buckets), dtype=torch.long, device=device)
-        self.kernel_variants = 0
-        self.warm_s = 0.0
-        if capture:
-            self._warm_kernels()
-
-    def _warm_kernels(self) -> None:
-        """Every attention kernel variant a bucket's step can launch, compiled now rather than on a
-        sequence's first step at a new width (`paged.compile_variants`). Graphs themselves are
-        captured per shape on first use: ~10 ms each, no compile."""
-        from workers.engine import paged
-
-        if not paged.available(self.device):
-            return
-        t0 = time.perf_counter()
-        cfg = self.model.cfg
-        max_blocks = min(self.scratch, -(-cfg.max_position_embeddings // self.bs))
-        self.kernel_variants = paged.compile_variants(self.pool.layers[0], self.model.heads, self.buckets,
-                                                      max_blocks, self.model.scale, self.scratch)
-        self.warm_s = time.perf_counter() - t0
-        log.info("decode attention: %d kernel variants compiled in %.1f s", self.kernel_variants, self.warm_s)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
