@@ -29,6 +29,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.e2e import _url  # noqa: E402
 from bench.engine import SIZES  # noqa: E402
 from bench.procs import MESH, start  # noqa: E402
 from workers.engine.checkpoint import generate, tiny_config  # noqa: E402
@@ -105,20 +106,17 @@ def main() -> None:
     common = ["--checkpoint", str(d), "--num-blocks", "2048", "--max-batch-tokens", "2048", "--dtype", a.dtype,
               "--kv-backend", a.kv_backend, "--device", a.device]
     procs = []
-    try:
-        p, lines = start([*MESH, "prefill", *common, "--pp-size", "1"], "prefill ")
+    urls = []
+    try:   # the processes of bench/e2e.py, started as it does
+        for cmd in (["prefill", *common, "--pp-size", "1"], ["decode", *common, "--tp-size", "1"],
+                    ["decode", *common, "--tp-size", "1"]):
+            p, (url,) = _url(start([*MESH, *cmd], cmd[0] + " "))
+            procs.append(p)
+            urls.append(url)
+        pre, dec, mono = urls
+        p, (mesh,) = _url(start([*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre,
+                                 "--decode", dec], "mesh "))
         procs.append(p)
-        pre = lines[-1].split()[1]
-        p, lines = start([*MESH, "decode", *common, "--tp-size", "1"], "decode ")
-        procs.append(p)
-        dec = lines[-1].split()[1]
-        p, lines = start([*MESH, "decode", *common, "--tp-size", "1"], "decode ")
-        procs.append(p)
-        mono = lines[-1].split()[1]
-        p, lines = start([*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill", pre, "--decode", dec],
-                         "mesh ")
-        procs.append(p)
-        mesh = lines[-1].split()[1]
         res = asyncio.run(probe(mono, mesh, a.requests, a.prompt_len))
         print(json.dumps(res), flush=True)
         if a.out:
