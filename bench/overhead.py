@@ -56,6 +56,7 @@ class Result:
     p99_ms: float
     ttft_p50_ms: float
     mesh_cpu_ms_per_req: float | None
+    mesh_sys_share: float | None = None   # of that CPU, the kernel's (system time): syscalls, copies
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -160,18 +161,20 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
             except Exception:  # noqa: BLE001 - counted, the run goes on
                 errors += 1
 
-    cpu0 = sum(mesh_proc.cpu_times()[:2])
+    u0, s0 = mesh_proc.cpu_times()[:2]
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(conc)))
     dt = time.perf_counter() - t0
-    cpu = sum(mesh_proc.cpu_times()[:2]) - cpu0
+    u1, s1 = mesh_proc.cpu_times()[:2]
+    cpu = (u1 - u0) + (s1 - s0)
     if spy is not None:
         spy.wait(60)
     n = len(lat)
     return Result(target, "sse64" if stream else "json", conc, n, errors, round(dt, 3), round(n / dt, 1),
                   round(pct(lat, 0.5) * 1e3, 3), round(pct(lat, 0.99) * 1e3, 3),
                   round(pct(ttft, 0.5) * 1e3, 3),
-                  round(cpu / n * 1e3, 4) if target == "mesh" and n else None)
+                  round(cpu / n * 1e3, 4) if target == "mesh" and n else None,
+                  round((s1 - s0) / cpu, 3) if target == "mesh" and cpu > 0 else None)
 
 
 async def main(a: argparse.Namespace) -> list[Result]:
@@ -204,7 +207,8 @@ async def main(a: argparse.Namespace) -> list[Result]:
                     results.append(r)
                     print(f"prompt {size:8} B {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  errors {r.errors}"
                           + (f"  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req "
-                             f"({r.mesh_cpu_ms_per_req / size * 1e6:.2f} us/kB)" if r.mesh_cpu_ms_per_req else ""),
+                             f"({r.mesh_cpu_ms_per_req / size * 1e6:.2f} us/kB, system {r.mesh_sys_share:.0%})"
+                             if r.mesh_cpu_ms_per_req else ""),
                           flush=True)
             if a.prompt_bytes:
                 return results
@@ -219,7 +223,8 @@ async def main(a: argparse.Namespace) -> list[Result]:
                         results.append(r)
                         print(f"{r.mode:5} c={conc:<3} {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  "
                               f"p99 {r.p99_ms:7.2f} ms  ttft {r.ttft_p50_ms:7.2f} ms  errors {r.errors}"
-                              + (f"  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req" if r.mesh_cpu_ms_per_req else ""),
+                              + (f"  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req (system {r.mesh_sys_share:.0%})"
+                                 if r.mesh_cpu_ms_per_req else ""),
                               flush=True)
     finally:
         for p in (mesh, fleet):

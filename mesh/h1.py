@@ -44,8 +44,13 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.resp is not None:
-            self.resp._feed(data)
+        resp = self.resp
+        if resp is not None:
+            if resp._framed is not None and resp._at_tail and resp._left == -1 and not resp._buf:
+                data = resp._pass(data)   # a relay's whole chunks, as they came
+                if not data:
+                    return
+            resp._feed(data)
         else:  # bytes nobody asked for: the peer is confused; never reuse this connection
             self.abort()
 
@@ -72,7 +77,7 @@ class H1Response:
 
     __slots__ = ("status", "headers", "_conn", "_buf", "_head_done", "_mode", "_left", "_chunks",
                  "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle",
-                 "_timer", "_wait_start", "_sink", "_held")
+                 "_timer", "_wait_start", "_sink", "_held", "_framed", "_tail", "_at_tail")
 
     def __init__(self, conn: _Conn, idle: float | None) -> None:
         self._conn = conn
@@ -96,6 +101,9 @@ class H1Response:
         self._wait_start = 0.0
         self._sink: Callable[[bytes], None] | None = None   # `relay`: body bytes go here as they are parsed
         self._held = False                                  # `relay`: the sink asked for a pause
+        self._framed: Callable[[bytes, bool], None] | None = None  # `relay(framed=)`: whole chunks, framing kept
+        self._tail = b""
+        self._at_tail = False    # the last payload given to the sink ended with `_tail`
 
     # -- parsing (called by the protocol) ---------------------------------------------------
 
@@ -242,6 +250,48 @@ class H1Response:
                 return b""
         return data[pos:] if pos else data
 
+    def _pass(self, data: bytes) -> bytes:
+        """`relay(framed=)`, at a chunk boundary: the longest run of whole chunks at the start of
+        `data` goes to the framed sink as it came, one call, when each chunk is framed as this
+        mesh frames one (lower-case hex size, no extension: the client gets valid framing) and its
+        payload ends with `tail`; with the last chunk too where nothing else follows it (`end`
+        True: the body is whole). Returns the rest, for the parser (a partial chunk, the last
+        chunk with trailers, anything else)."""
+        pos, n, tail = 0, len(data), self._tail
+        while pos < n:
+            end = data.find(b"\r\n", pos, pos + 10)
+            if end < 0:
+                break
+            line = data[pos:end]
+            try:
+                size = int(line, 16)
+            except ValueError:
+                break
+            stop = end + 2 + size
+            if (size <= 0 or stop + 2 > n or data[stop:stop + 2] != b"\r\n" or b"%x" % size != line
+                    or not data.endswith(tail, end + 2, stop)):
+                break
+            pos = stop + 2
+        if not pos:
+            return data
+        if self._error is not None:
+            return b""   # the relay has failed: the rest is dropped
+        if self._idle is not None and self._waiter is not None:
+            self._wait_start = self._waiter.get_loop().time()
+        end = data.endswith(b"0\r\n\r\n") and pos == n - 5   # and the last chunk, no trailers: the end
+        assert self._framed is not None
+        try:
+            self._framed(data if pos == n or end else data[:pos], end)
+        except Exception as e:  # noqa: BLE001 - as `_push`: the sink's failure ends the relay
+            self._fail(e)
+            self._conn.abort()
+            return b""
+        if end:
+            self._left = -3
+            self._finish()
+            return b""
+        return data[pos:]
+
     def _push(self, data: bytes) -> None:
         if not data:
             return
@@ -251,6 +301,8 @@ class H1Response:
                 return   # the relay has failed: the rest is dropped
             if self._idle is not None and self._waiter is not None:
                 self._wait_start = self._waiter.get_loop().time()   # bytes came: the idle clock restarts
+            if self._framed is not None:
+                self._at_tail = data.endswith(self._tail)
             try:
                 sink(data)
             except Exception as e:  # noqa: BLE001 - the sink's failure (a client gone) ends the relay with it
@@ -332,19 +384,32 @@ class H1Response:
             self._conn.transport.resume_reading()
         return data
 
-    async def relay(self, sink: Callable[[bytes], None]) -> None:
+    async def relay(self, sink: Callable[[bytes], None], framed: Callable[[bytes, bool], None] | None = None,
+                    tail: bytes = b"") -> None:
         """The rest of the body to `sink`, called from the connection's `data_received` as the bytes
         are parsed: no wake-up of a reading task per piece (an SSE relay's cost per event). Returns
         at the end; raises as `readany` (an upstream failure; TimeoutError after `idle` without a
-        byte while not held); an exception from `sink` ends the relay and is raised here."""
+        byte while not held); an exception from `sink` ends the relay and is raised here.
+
+        `framed(data, end)` (a chunked body): whole chunks whose payloads end with `tail` go there
+        with their framing, as they came (`_pass`), while the last payload given to `sink` ended
+        with `tail` (so it starts so): a relay to a chunked client writes them as they are, not
+        parsed and framed again per chunk. `end`: `data` ends with the body's last chunk
+        (`0\r\n\r\n`, no trailers), whose bytes end the client's answer too. The caller's own
+        state must be at `tail` when it calls this."""
+        at_tail = True
         if self._chunks:
-            sink(self._take())
+            data = self._take()
+            at_tail = data.endswith(tail)
+            sink(data)
         if not self._done:
             self._sink = sink
+            if framed is not None and tail and self._mode == "chunked":
+                self._framed, self._tail, self._at_tail = framed, tail, at_tail
             try:
                 await self._wait()
             finally:
-                self._sink = None
+                self._sink = self._framed = None
                 self._waiter = None
         if self._error is not None:
             raise self._error

@@ -83,11 +83,23 @@ class Reply:
 
 
 class FastStream:
-    """A chunked answer, written as the handler goes."""
-    __slots__ = ("_conn", "status", "_ended")
+    """A chunked answer, written as the handler goes. Its head goes out with its first bytes
+    (one send, not two: the first write follows the head at once on every path)."""
+    __slots__ = ("_conn", "status", "_ended", "_head")
 
-    def __init__(self, conn: "Conn", status: int) -> None:
-        self._conn, self.status, self._ended = conn, status, False
+    def __init__(self, conn: "Conn", status: int, head: bytes) -> None:
+        self._conn, self.status, self._ended, self._head = conn, status, False, head
+
+    def _send(self, t: asyncio.Transport, data: bytes) -> None:
+        head = self._head
+        if head:
+            self._head = b""
+            if len(data) < 65536:
+                t.write(head + data)
+            else:
+                t.writelines((head, data))
+        else:
+            t.write(data)
 
     async def write(self, data: bytes) -> None:
         if self.write_now(data):
@@ -99,8 +111,18 @@ class FastStream:
         c = self._conn
         t = c.open_transport()
         if data:
-            t.write(b"%x\r\n%b\r\n" % (len(data), data) if len(data) < 65536
-                    else b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
+            self._send(t, b"%x\r\n%b\r\n" % (len(data), data) if len(data) < 65536
+                       else b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
+        return c.paused
+
+    def write_framed(self, data: bytes, end: bool = False) -> bool:
+        """As `write_now`, for bytes already framed as chunks (`H1Response.relay(framed=)`: an
+        upstream's chunks checked whole and framed as this server frames them); `end`: they end
+        with the last chunk, which ends this answer (`write_eof` then writes nothing)."""
+        c = self._conn
+        self._send(c.open_transport(), data)
+        if end:
+            self._ended = True
         return c.paused
 
     def on_resume(self, fn: Callable[[], None]) -> None:
@@ -115,7 +137,7 @@ class FastStream:
         if self._ended:
             return
         self._ended = True
-        self._conn.open_transport().write(b"0\r\n\r\n")
+        self._send(self._conn.open_transport(), b"0\r\n\r\n")
 
 
 class FastClient:
@@ -162,8 +184,8 @@ class FastClient:
 
     async def open_stream(self, status: int, headers: dict[str, str]) -> FastStream:
         c = self._conn
-        c.open_transport().write(_head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n"))
-        self.stream = FastStream(c, status)
+        c.open_transport()   # ConnectionResetError once the client has left
+        self.stream = FastStream(c, status, _head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n"))
         return self.stream
 
 

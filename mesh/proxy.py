@@ -672,8 +672,16 @@ class Proxy:
                     if whole and now(whole):   # the client reads slower than the decode writes
                         resp.hold()
                         out.on_resume(resp.unhold)  # type: ignore[attr-defined]  # a FastStream, as write_now
+
+                framed = out.write_framed  # type: ignore[attr-defined]  # a FastStream, as write_now
+
+                def whole_chunks(data: bytes, end: bool) -> None:   # chunks each ending an event: as they came
+                    if framed(data, end):
+                        resp.hold()
+                        out.on_resume(resp.unhold)  # type: ignore[attr-defined]
                 sink(first)
-                await resp.relay(sink)
+                # the framed path only while no partial event waits here (it would go out after)
+                await resp.relay(sink, None if events.pending else whole_chunks, SSE_END)
             else:
                 read = resp.readany
                 chunk = first

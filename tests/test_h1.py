@@ -256,3 +256,92 @@ async def test_a_failing_sink_ends_the_relay_with_its_error(pool):
         with pytest.raises(ConnectionResetError):
             await r.relay(sink)
         r.close()
+
+
+def unframe(data: bytes, end: bool = False) -> bytes:
+    """The payload of `data`, a run of whole chunks framed as `%x\\r\\n...\\r\\n` (with `end`, then the
+    last chunk, no trailers); asserts that framing."""
+    out, pos = [], 0
+    if end:
+        assert data.endswith(b"\r\n0\r\n\r\n")
+        data = data[:-5]
+    while pos < len(data):
+        end = data.index(b"\r\n", pos)
+        line = data[pos:end]
+        assert line == b"%x" % int(line, 16) and int(line, 16) > 0, line
+        size = int(line, 16)
+        out.append(data[end + 2:end + 2 + size])
+        assert data[end + 2 + size:end + 4 + size] == b"\r\n"
+        pos = end + 4 + size
+    return b"".join(out)
+
+
+async def test_relay_framed_passes_whole_event_chunks_as_they_came_and_the_rest_parsed(pool):
+    """`relay(framed=)`: whole chunks ending an event go to `framed` with their framing; a chunk
+    that ends mid-event goes to `sink` parsed, and so do the chunks after it until one ends an event
+    (the caller's pending bytes would go out after them otherwise). Upper-case sizes, extensions
+    and a chunk split across reads are parsed too. Order and bytes are kept whole."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pieces = [head, 0.02, b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n", 0.02,
+              b"7\r\ndata: 3\r\n", 0.02,                     # mid-event
+              b"2\r\n\n\n\r\n", 0.02,                        # ends it (parsed: the state was mid-event)
+              b"9\r\ndata: 4\n\n\r\n", 0.02,                 # framed again
+              b"9\r\ndata: 5\n\n\r\nA\r\ndata: 66\n\n\r\n", 0.02,   # a hex size not as the mesh writes it
+              b"9;x=1\r\ndata: 7\n\n\r\n", 0.02,             # an extension
+              b"9\r\ndata:", 0.02, b" 8\n\n\r\n", 0.02,       # split across reads
+              b"9\r\ndata: 9\n\n\r\n0\r\n\r\n"]
+    server, port, conns = await raw_server(lambda req: pieces)
+    async with server:
+        for _ in range(2):
+            r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+            order: list[tuple[str, bytes]] = []
+            await r.relay(lambda b: order.append(("sink", b)),
+                          lambda b, end: order.append(("framed/end" if end else "framed", unframe(b, end))),
+                          b"\n\n")
+            assert b"".join(b for _, b in order) == (b"".join(b"data: %d\n\n" % i for i in range(1, 6))
+                                                     + b"data: 66\n\ndata: 7\n\ndata: 8\n\ndata: 9\n\n")
+            kinds = [k for k, _ in order]
+            assert kinds[0] == "framed" and order[0][1] == b"data: 1\n\ndata: 2\n\n"
+            assert ("sink", b"data: 3") in order and ("sink", b"\n\n") in order
+            assert ("framed", b"data: 4\n\n") in order
+            assert order[-1] == ("framed/end", b"data: 9\n\n")   # with the last chunk: the body ends there
+            assert ("sink", b"data: 7\n\n") in order                      # the extension: parsed
+            assert not any(k == "framed" and b"66" in b for k, b in order)   # "A": parsed, framed again by the mesh
+        assert len(conns) == 1
+
+
+async def test_relay_framed_needs_the_callers_state_at_an_event_end(pool):
+    """Bytes read before `relay` that end mid-event: the next whole chunks go to `sink`, not `framed`."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, port, _ = await raw_server(lambda req: [head, b"5\r\ndata:\r\n", 0.05, b"4\r\n 1\n\n\r\n", 0.02,
+                                                    b"9\r\ndata: 2\n\n\r\n0\r\n\r\n"])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+        await asyncio.sleep(0.03)
+        order: list[tuple[str, bytes]] = []
+        await r.relay(lambda b: order.append(("sink", b)), lambda b, end: order.append(("framed", unframe(b, end))), b"\n\n")
+        assert order == [("sink", b"data:"), ("sink", b" 1\n\n"), ("framed", b"data: 2\n\n")]
+
+
+async def test_relay_framed_failure_and_cut_mid_stream(pool):
+    """A failing framed sink ends the relay with its error; an upstream cut after framed chunks
+    raises H1Error (the caller then sends its error event after whole events only)."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, port, _ = await raw_server(lambda req: [head, 0.02, b"9\r\ndata: 1\n\n\r\n", 0.05,
+                                                    b"9\r\ndata: 2\n\n\r\n"])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+
+        def bad(b: bytes, end: bool) -> None:
+            raise ConnectionResetError("the client left")
+        with pytest.raises(ConnectionResetError):
+            await r.relay(lambda b: None, bad, b"\n\n")
+        r.close()
+    server, port, _ = await raw_server(lambda req: [head, 0.02, b"9\r\ndata: 1\n\n\r\n", 0.05, None])
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+        got: list[bytes] = []
+        with pytest.raises(H1Error):
+            await r.relay(got.append, lambda b, end: got.append(unframe(b, end)), b"\n\n")
+        assert got == [b"data: 1\n\n"]
+        r.close()
