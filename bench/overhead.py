@@ -179,8 +179,8 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
 
 async def main(a: argparse.Namespace) -> list[Result]:
     blocks = ["--num-blocks", str(max(4096, 8 * max(a.prompt_bytes or [0]) // 16))]
-    fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode), *blocks],
-                         "ready")
+    fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode), *blocks,
+                          *a.fleet_args.split()], "ready")
     prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
     decodes = [line.split()[1] for line in lines if line.startswith("decode ")]
     cmd = [*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
@@ -298,6 +298,8 @@ if __name__ == "__main__":
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--policy", default="cache_aware", help="prefill policy of the mesh")
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--ledger-interval 1'")
+    ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
+                    "'--prefill-ms-per-token 0.015' (the mesh idle between requests, as it is beside a real engine)")
     ap.add_argument("--mesh-tree", help="run `mesh serve` and `mesh mock-fleet` from this source tree (a worktree "
                     "of another commit) instead of this one")
     ap.add_argument("--prompt-bytes", default="", help="long prompts instead: these sizes in bytes (e.g. "

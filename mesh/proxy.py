@@ -408,8 +408,19 @@ class Proxy:
         dec = asyncio.ensure_future(self._open_leg("decode", dw, creq, orjson.dumps(dbody), dh, retry=False,
                                                    source=pw))
         try:
-            done, _ = await asyncio.wait((pre, dec), return_when=asyncio.FIRST_COMPLETED)
-            if dec not in done and pre.exception() is not None:
+            either = asyncio.get_running_loop().create_future()   # (asyncio.wait: a set and two callbacks more)
+
+            def one_done(f: asyncio.Future[Any]) -> None:
+                if not either.done():
+                    either.set_result(None)
+            pre.add_done_callback(one_done)
+            dec.add_done_callback(one_done)
+            try:
+                await either
+            finally:
+                pre.remove_done_callback(one_done)
+                dec.remove_done_callback(one_done)
+            if not dec.done() and pre.exception() is not None:
                 perr = pre.exception()  # the decode would wait for a room nobody fills
                 dec.cancel()
                 await asyncio.gather(dec, return_exceptions=True)
@@ -426,15 +437,19 @@ class Proxy:
                 t.cancel()
             await asyncio.gather(pre, dec, return_exceptions=True)
             raise
-        self.bg.spawn(self._settle_prefill(pre, pw, t0))
+        pre.add_done_callback(lambda f: self._settle_prefill(f, pw, t0))
+        self.bg.spawn(pre)   # (a callback, not a task awaiting it: one task less per request)
         return Decoded(leg, first, t0, None, lambda: self._end(dspan))
 
-    async def _settle_prefill(self, pre: asyncio.Future[dict[str, Any]], pw: Worker, t0: float) -> None:
-        """A prefill leg finishing beside its decode: time it, close its breaker if it went well."""
-        try:
-            await pre
-        except MeshError:
-            return  # counted against the pipeline by its leg
+    def _settle_prefill(self, pre: asyncio.Future[dict[str, Any]], pw: Worker, t0: float) -> None:
+        """A prefill leg finished beside its decode: time it, close its breaker if it went well."""
+        if pre.cancelled():
+            return
+        err = pre.exception()
+        if err is not None:
+            if not isinstance(err, MeshError):   # a MeshError is counted against the pipeline by its leg
+                log.error("request's prefill leg on %s failed", pw.id, exc_info=err)
+            return
         self.metrics.leg("prefill", asyncio.get_running_loop().time() - t0)
         self.fleet.succeeded(pw.id)
 

@@ -23,30 +23,36 @@ from xxhash import xxh3_64_intdigest
 from contract.snapshot import View, Worker
 from policies.base import PolicyBase, RoutingRequest
 
-FINE = 64       # the first FINE chunks are `chunk` bytes each,
-MID = 1024      # up to MID base chunks' worth, 16 chunks each; beyond, 256 chunks each
+# the chunk grid, in base chunks (`chunk` bytes): (up to here, chunks of this many). With the 64-byte
+# base: 64 B chunks to 2 kB, 256 B to 4 kB, 1 kB to 16 kB, 4 kB to 64 kB, then 16 kB (`FAR`)
+TIERS = ((32, 1), (64, 4), (256, 16), (1024, 64))
+FAR = 256
 
 
 def chunk_keys(text: str, chunk: int) -> tuple[list[int], list[int]]:
     """Chained hashes of the prompt's chunks (a trailing partial chunk counts too) and where each
-    chunk ends, in bytes of its UTF-8 text. Chunks are `chunk` bytes over the first `FINE * chunk`
-    (64 x 64 = 4 kB by default, where prompts diverge), 16 times that up to `MID * chunk` (64 kB),
-    256 times that beyond: where a chunk starts depends on its position only, so equal prefixes
-    give equal keys, and a 1 MB prompt has ~180 keys, not ~16,000 (bench/overhead.py
-    --prompt-bytes; the hit rate on shared prefixes: bench/cache_hits.py). A key is XXH3-64 of its
-    chunk seeded with the key before (~60 GB/s: a 220 kB prompt's keys in ~20 us; Python's string
-    hash took ~110)."""
+    chunk ends, in bytes of its UTF-8 text. A chunk's size depends on where it starts only
+    (`TIERS`: fine at the start, where prompts diverge, coarser far into long prompts), so equal
+    prefixes give equal keys: a 1 kB prompt has 16 keys, 220 kB 74, 1 MB 122 (not ~16,000 of one
+    size; each key costs the index an update per request: bench/overhead.py --prompt-bytes). The
+    grid is the coarsest of those tried whose hit rate on shared prefixes equals the finer grids'
+    (bench/cache_hits.py, four workloads). A key is XXH3-64 of its chunk seeded with the key
+    before (~60 GB/s: a 220 kB prompt's keys in ~20 us; Python's string hash took ~110)."""
     data = text.encode("utf-8", "surrogatepass")
     view = memoryview(data)
     n = len(data)
     if not n:
         return [], []
-    fine, mid = FINE * chunk, MID * chunk
-    ends = [*range(chunk, min(n, fine), chunk)]
-    if n > fine:
-        ends += range(fine, min(n, mid), chunk * 16)
-        if n > mid:
-            ends += range(mid, n, chunk * 256)
+    ends: list[int] = []   # the grid's points before n, then n
+    at = 0
+    for upto, size in TIERS:
+        stop = upto * chunk
+        ends += range(at + size * chunk, min(n, stop + 1), size * chunk)
+        at = stop
+        if n <= stop:
+            break
+    else:
+        ends += range(at + FAR * chunk, n, FAR * chunk)
     ends.append(n)
     keys: list[int] = []
     h = i = 0
