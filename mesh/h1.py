@@ -46,11 +46,10 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         resp = self.resp
         if resp is not None:
-            if resp._framed is not None and resp._at_tail and resp._left == -1 and not resp._buf:
-                data = resp._pass(data)   # a relay's whole chunks, as they came
-                if not data:
-                    return
-            resp._feed(data)
+            if resp._framed is not None:
+                resp._feed_framed(data)   # a relay's whole chunks, as they came
+            else:
+                resp._feed(data)
         else:  # bytes nobody asked for: the peer is confused; never reuse this connection
             self.abort()
 
@@ -250,6 +249,36 @@ class H1Response:
                 return b""
         return data[pos:] if pos else data
 
+    def _feed_framed(self, data: bytes) -> None:
+        """`relay(framed=)`: a read that starts inside a chunk (the last read ended mid-chunk, as
+        every read does once the relay was held and a whole socket buffer comes at once) goes to
+        the parser only up to that chunk's end; what follows starts at a boundary and goes to
+        `_pass`. Without this one split would keep every later read off the framed path."""
+        while data:
+            if self._framed is None or self._done:
+                break
+            buf, left = self._buf, self._left
+            if left == -1 and buf:            # a partial size line: completed from this read
+                data = bytes(buf) + data
+                buf.clear()
+            if left == -1:
+                if not self._at_tail:
+                    break
+                data = self._pass(data)
+                break
+            if left > 0:
+                need = left + 2               # the chunk's rest and its CRLF
+            elif left == -2:
+                need = 2 - len(buf)
+            else:
+                break                         # trailers: the parser's
+            if len(data) <= need:
+                break
+            self._feed(data[:need])
+            data = data[need:]
+        if data:
+            self._feed(data)
+
     def _pass(self, data: bytes) -> bytes:
         """`relay(framed=)`, at a chunk boundary: the longest run of whole chunks at the start of
         `data` goes to the framed sink as it came, one call, when each chunk is framed as this
@@ -385,7 +414,7 @@ class H1Response:
         return data
 
     async def relay(self, sink: Callable[[bytes], None], framed: Callable[[bytes, bool], None] | None = None,
-                    tail: bytes = b"") -> None:
+                    tail: bytes = b"", at_tail: bool = True) -> None:
         """The rest of the body to `sink`, called from the connection's `data_received` as the bytes
         are parsed: no wake-up of a reading task per piece (an SSE relay's cost per event). Returns
         at the end; raises as `readany` (an upstream failure; TimeoutError after `idle` without a
@@ -395,9 +424,9 @@ class H1Response:
         with their framing, as they came (`_pass`), while the last payload given to `sink` ended
         with `tail` (so it starts so): a relay to a chunked client writes them as they are, not
         parsed and framed again per chunk. `end`: `data` ends with the body's last chunk
-        (`0\r\n\r\n`, no trailers), whose bytes end the client's answer too. The caller's own
-        state must be at `tail` when it calls this."""
-        at_tail = True
+        (`0\r\n\r\n`, no trailers), whose bytes end the client's answer too. `at_tail`: whether
+        what the caller already gave its sink ended with `tail` (a payload that does later puts the
+        framed path back in use)."""
         if self._chunks:
             data = self._take()
             at_tail = data.endswith(tail)

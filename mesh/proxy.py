@@ -693,10 +693,11 @@ class Proxy:
                 def whole_chunks(data: bytes, end: bool) -> None:   # chunks each ending an event: as they came
                     if framed(data, end):
                         resp.hold()
-                        out.on_resume(resp.unhold)  # type: ignore[attr-defined]
+                        out.on_resume(resp.unhold)  # type: ignore[attr-defined]  # a FastStream, as write_now
                 sink(first)
-                # the framed path only while no partial event waits here (it would go out after)
-                await resp.relay(sink, None if events.pending else whole_chunks, SSE_END)
+                # the framed path only while no partial event waits here (it would go out after):
+                # `relay` tracks that from here on, as each payload ends with SSE_END or not
+                await resp.relay(sink, whole_chunks, SSE_END, at_tail=not events.pending)
             else:
                 read = resp.readany
                 chunk = first

@@ -323,6 +323,28 @@ async def test_relay_framed_needs_the_callers_state_at_an_event_end(pool):
         assert order == [("sink", b"data:"), ("sink", b" 1\n\n"), ("framed", b"data: 2\n\n")]
 
 
+async def test_relay_framed_comes_back_after_a_read_that_ends_mid_chunk(pool):
+    """A read that ends inside a chunk (its size line, data or CRLF): the next read's rest of that
+    chunk is parsed and the whole chunks after it in the same read go to `framed` again (a held
+    relay's reads all end mid-chunk; one split must not keep the rest off the framed path).
+    `at_tail=False`: the caller's own bytes end mid-event, so the first chunk is parsed."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pieces = [head, 0.02, b"9\r\ndata: 1\n\n\r\n9\r\ndata:", 0.02,           # in a chunk's data
+              b" 2\n\n\r\n9\r\ndata: 3\n\n\r\n9", 0.02,                       # in a size line
+              b"\r\ndata: 4\n\n\r\n9\r\ndata: 5\n\n\r", 0.02,                # in a CRLF
+              b"\n9\r\ndata: 6\n\n\r\n0\r\n\r\n"]
+    server, port, _ = await raw_server(lambda req: pieces)
+    async with server:
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, idle=2.0)
+        order: list[tuple[str, bytes]] = []
+        await r.relay(lambda b: order.append(("sink", b)),
+                      lambda b, end: order.append(("framed/end" if end else "framed", unframe(b, end))),
+                      b"\n\n", at_tail=False)
+        assert order == [("sink", b"data: 1\n\n"), ("sink", b"data:"), ("sink", b" 2\n\n"),
+                         ("framed", b"data: 3\n\n"), ("framed", b"data: 4\n\n"), ("sink", b"data: 5\n\n"),
+                         ("framed/end", b"data: 6\n\n")], order
+
+
 async def test_relay_framed_failure_and_cut_mid_stream(pool):
     """A failing framed sink ends the relay with its error; an upstream cut after framed chunks
     raises H1Error (the caller then sends its error event after whole events only)."""

@@ -193,3 +193,72 @@ async def test_a_pipelining_flood_is_bounded_and_the_request_still_answered(make
     w.transport.abort()
     await close_writer(w)
     assert await pd.wait_released() == 0
+
+
+async def test_a_slow_client_holds_the_decode_and_gets_every_event_whole(make_pd, monkeypatch):
+    """A client that reads slower than the decode writes: the mesh stops reading the decode
+    (`H1Response.hold`) while the client's buffer is full, and resumes as it drains. The events go
+    out through the framed path (the decode's chunks as they came) and the parsed one alike, and
+    the client gets every one of them, whole and in order: the same text as the answer unstreamed.
+    Every KV block is back after."""
+    import socket
+
+    from mesh import h1, h1server
+
+    held: list[int] = []
+    framed: list[int] = []
+    hold, write_framed = h1.H1Response.hold, h1server.FastStream.write_framed
+
+    def counting_hold(self: h1.H1Response) -> None:
+        held.append(1)
+        hold(self)
+
+    def counting_framed(self: h1server.FastStream, data: bytes, end: bool = False) -> bool:
+        framed.append(len(data))
+        return write_framed(self, data, end)
+    monkeypatch.setattr(h1.H1Response, "hold", counting_hold)
+    monkeypatch.setattr(h1server.FastStream, "write_framed", counting_framed)
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    prompt = b'{"model": "mock-model", "prompt": "hello slow reader", "max_tokens": 1500%b}'
+    r, w = await _conn(pd)
+    w.write(_post(body=prompt % b""))
+    _, whole = await _answer(r)
+    want = json.loads(whole)["choices"][0]["text"]
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(pd.url.rsplit(":", 1)[1])))
+    sock.setblocking(False)
+    r2, w2 = await asyncio.open_connection(sock=sock)
+    for _ in range(100):   # the mesh's side of this connection: a small buffer, so that it fills
+        conns = [c for c in pd.state.fast.conns if c.req is None and c.transport is not None
+                 and c.transport.get_extra_info("peername") == sock.getsockname()]
+        if conns:
+            break
+        await asyncio.sleep(0.01)
+    conn = conns[0]
+    conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn.transport.set_write_buffer_limits(high=4096)
+    w2.write(_post(body=prompt % b', "stream": true'))
+    head = await asyncio.wait_for(r2.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+    body = b""
+    while True:   # chunked framing checked chunk by chunk, read slowly
+        size_line = await asyncio.wait_for(r2.readuntil(b"\r\n"), 10)
+        n = int(size_line.strip(), 16)
+        assert size_line == b"%x\r\n" % n
+        chunk = await asyncio.wait_for(r2.readexactly(n + 2), 10)
+        assert chunk.endswith(b"\r\n")
+        if n == 0:
+            break
+        assert chunk[:-2].endswith(b"\n\n")   # whole events only
+        body += chunk[:-2]
+        await asyncio.sleep(0.002)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1] if json.loads(e[6:])["choices"])
+    assert text == want
+    assert held and framed, (len(held), len(framed))   # it held the decode; the framed path carried events
+    await close_writer(w)
+    await close_writer(w2)
+    assert await pd.wait_released() == 0
