@@ -50,7 +50,11 @@ class Engine:
         self.port, self.side = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false"}
+               "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false",
+               # vllm/renderers/hf.py `_render_with_timeout`: 30 s by default, counted from the render's
+               # submission to its one-thread executor; on a 2-core CI box, 16 concurrent chat requests
+               # beside a busy engine core queued past it once (a 502 from the decode, CI of 2026-12-06)
+               "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "600"}
         env.pop("PYTHONPATH", None)
         if connector == "nixl":
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side)
