@@ -87,6 +87,11 @@ class Admission:
             if cfg.max_concurrency else None
         self.per_key: dict[str, Gate] = {}
 
+    def unlimited(self, key: str | None) -> bool:
+        """No limit applies to a request with this key: `slot` would admit it at once and hold
+        nothing (the caller skips it: an async context manager per request costs a few us)."""
+        return self.gate is None and (key is None or not self.cfg.per_key_concurrency)
+
     @asynccontextmanager
     async def slot(self, key: str | None) -> AsyncIterator[None]:
         gates = []

@@ -154,17 +154,23 @@ async def generate(st: MeshState, kind: str, client: Client) -> Any:
     try:
         h = client.headers
         key_id = check_api_key(st.cfg.api_keys, h.get("Authorization", "")) if st.cfg.api_keys else None
-        try:
-            async with asyncio.timeout(st.cfg.limits.body_timeout_s):  # a slow upload holds no slot for long
-                raw = await client.body(st.cfg.limits.max_body_bytes)
-        except TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive within {st.cfg.limits.body_timeout_s:g}s") from None
+        if client.complete:   # the body is here already (the fast server read it with the head)
+            raw = await client.body(st.cfg.limits.max_body_bytes)
+        else:
+            try:
+                async with asyncio.timeout(st.cfg.limits.body_timeout_s):  # a slow upload holds no slot for long
+                    raw = await client.body(st.cfg.limits.max_body_bytes)
+            except TimeoutError:
+                raise RequestTimeout(f"the request body did not arrive within {st.cfg.limits.body_timeout_s:g}s") from None
         # (type: ignore below) the route table maps this handler to one of the parser's request kinds
         creq = parse(kind, raw, st.cfg.limits, request_id=check_request_id(h.get("X-Request-Id")),  # type: ignore[arg-type]
                      session_key=h.get(st.cfg.session_header))
         rid = creq.request_id
-        async with st.admission.slot(key_id):
+        if st.admission.unlimited(key_id):
             resp = await st.proxy.handle(client, creq)
+        else:
+            async with st.admission.slot(key_id):
+                resp = await st.proxy.handle(client, creq)
         status = resp.status
         return resp
     except MeshError as e:
@@ -292,6 +298,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         await st.upstream.close()
         if st.metrics.multiprocess:
             from prometheus_client import multiprocess
+
+            st.metrics.flush()   # this process's last tallies into its files (its counts outlive it)
 
             # (type: ignore below) prometheus-client's multiprocess helpers are untyped
             multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]

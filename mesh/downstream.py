@@ -27,6 +27,9 @@ class Client(Protocol):
     @property
     def headers(self) -> Any: ...   # a case-insensitive mapping of the request's headers
 
+    @property
+    def complete(self) -> bool: ...   # the whole body has been read (`body` returns at once)
+
     async def body(self, limit: int) -> bytes: ...
 
     def reply(self, body: bytes, status: int, headers: dict[str, str], close: bool = False) -> Any: ...
@@ -46,6 +49,10 @@ class AioClient:
     @property
     def headers(self) -> Any:
         return self.request.headers
+
+    @property
+    def complete(self) -> bool:
+        return False   # read through aiohttp's stream, under the body timeout
 
     async def body(self, limit: int) -> bytes:
         """The body as one bytes object, copied at most once (the pieces joined; one piece as it

@@ -76,7 +76,7 @@ class H1Response:
 
     __slots__ = ("status", "headers", "_conn", "_buf", "_head_done", "_mode", "_left", "_chunks",
                  "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle",
-                 "_timer", "_wait_start", "_sink", "_held", "_framed", "_tail", "_at_tail")
+                 "_timer", "_wait_start", "_sink", "_held", "_framed", "_tail", "_at_tail", "_deadline")
 
     def __init__(self, conn: _Conn, idle: float | None) -> None:
         self._conn = conn
@@ -97,6 +97,7 @@ class H1Response:
         self._keep = True
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None   # the idle check (`readany`)
+        self._deadline: asyncio.TimerHandle | None = None   # `post(deadline=)`, until `clear_deadline`
         self._wait_start = 0.0
         self._sink: Callable[[bytes], None] | None = None   # `relay`: body bytes go here as they are parsed
         self._held = False                                  # `relay`: the sink asked for a pause
@@ -479,6 +480,23 @@ class H1Response:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _deadline_hit(self) -> None:
+        """`post(deadline=)` passed before `clear_deadline`: the head or body wait fails with
+        TimeoutError and the connection is not reused."""
+        self._deadline = None
+        if not self._done:
+            self._fail(TimeoutError())
+            self._conn.abort()
+
+    def clear_deadline(self) -> None:
+        """The caller has what `post(deadline=)` bounded (the head, the first bytes, the body)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _drain(self) -> list[bytes]:
         out = list(self._chunks)
@@ -531,7 +549,7 @@ class H1Pool:
         self._ssl: _ssl.SSLContext | None = None
         self._all: set[_Conn] = set()
 
-    async def _get(self, host: str, port: int, tls: bool) -> _Conn:
+    async def _get(self, host: str, port: int, tls: bool, connect_timeout: float | None = None) -> _Conn:
         key = (host, port, tls)
         idle = self._idle.get(key)
         loop = asyncio.get_running_loop()
@@ -547,7 +565,8 @@ class H1Pool:
         if tls and self._ssl is None:
             self._ssl = _ssl.create_default_context()
         conn = _Conn(self, key)
-        async with asyncio.timeout(self.connect_timeout):
+        async with asyncio.timeout(self.connect_timeout if connect_timeout is None
+                                   else min(connect_timeout, self.connect_timeout)):
             await loop.create_connection(lambda: conn, host, port, ssl=self._ssl if tls else None)
         self._all.add(conn)
         return conn
@@ -567,11 +586,17 @@ class H1Pool:
             lst.remove(conn)
 
     async def post(self, host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
-                   tls: bool = False, idle: float | None = None) -> H1Response:
-        """Send a POST; return once the status line and headers arrived."""
-        conn = await self._get(host, port, tls)
+                   tls: bool = False, idle: float | None = None, deadline: float | None = None) -> H1Response:
+        """Send a POST; return once the status line and headers arrived. `deadline` (the loop's
+        clock): the connect, the head and every body wait fail with TimeoutError past it, until the
+        caller calls `clear_deadline` (one timer, not an `asyncio.timeout` around the call: that
+        costs ~5 us a leg in task bookkeeping)."""
+        loop = asyncio.get_running_loop()
+        conn = await self._get(host, port, tls, None if deadline is None else max(0.0, deadline - loop.time()))
         resp = H1Response(conn, idle)
         conn.resp = resp
+        if deadline is not None:
+            resp._deadline = loop.call_at(deadline, resp._deadline_hit)
         head = [f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(body)}\r\n"]
         for k, v in headers.items():
             head.append(f"{k}: {v}\r\n")

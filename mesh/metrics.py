@@ -1,8 +1,9 @@
 """Prometheus metrics (`atomesh_*`), one registry per mesh app.
 
-Labelled children are cached in plain dicts so the hot path pays a dict lookup, not
-prometheus-client's label resolution. In-flight counts per worker are read at scrape time
-by a collector, so the request path only touches the mesh's own counter dict.
+The request path counts into plain tallies (`_Tally`, cached per metric and label values: a dict
+lookup, an int or a list slot), folded into prometheus-client's metrics whenever the registry is
+read (`flush`), not its locked per-value `inc`/`observe`. In-flight counts per worker are read at
+scrape time by a collector, so the request path only touches the mesh's own counter dict.
 
 `mesh serve --workers N` (several processes on one port, `PROMETHEUS_MULTIPROC_DIR` set by the
 parent before any of them imports prometheus-client): counters and histograms go to that
@@ -16,6 +17,7 @@ each process sees the same thing (the leak alarm, staleness, oldest transfer, he
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from typing import Any, Callable, Iterable, Literal, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -27,6 +29,54 @@ _SUMMED = {"atomesh_worker_in_flight", "atomesh_kv_held_transfers", "atomesh_kv_
            "atomesh_registry_watch_restarts"}
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _Tally:
+    """A counter's or histogram's child, counted here on the request path (an int, a list slot) and
+    folded into prometheus-client's child when the registry is read (`Metrics.flush`): its `inc`
+    and `observe` take a lock per value and walk the buckets in Python (~2 us a request's worth of
+    observations each, ~4 of them per request). The exposition is the same (tests/test_metrics.py)."""
+    __slots__ = ("child", "n", "bounds", "counts", "sum")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.n = 0
+        # a histogram's child: its buckets' upper bounds (+Inf last); `bisect_left` finds the first
+        # bound >= the value, the bucket prometheus-client's own `observe` picks
+        bounds = getattr(child, "_upper_bounds", None)
+        self.bounds: tuple[float, ...] = tuple(bounds) if bounds is not None else ()
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def inc(self) -> None:
+        self.n += 1
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def fold(self) -> None:
+        if self.n:
+            self.child.inc(self.n)
+            self.n = 0
+        if self.sum or any(self.counts):
+            self.child._sum.inc(self.sum)
+            for i, k in enumerate(self.counts):
+                if k:
+                    self.child._buckets[i].inc(k)
+                    self.counts[i] = 0
+            self.sum = 0.0
+
+
+class _Flush(Collector):
+    """Registered first: a read of the registry folds the tallies in before the metrics are read."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        self._flush()
+        return ()
 
 
 class _InFlight(Collector):
@@ -97,6 +147,8 @@ class Metrics:
                  ledger: Callable[[], Iterable[tuple[str, int, int, float]]] = lambda: (),
                  unaccounted: Callable[[], Iterable[tuple[str, int]]] = lambda: ()) -> None:
         r = self.registry = CollectorRegistry()
+        self._cache: dict[tuple[object, ...], _Tally] = {}
+        r.register(_Flush(self.flush))
         self._requests = Counter("atomesh_requests", "Client requests by route and status",
                                  ["route", "status"], registry=r)
         self._latency = Histogram("atomesh_request_duration_seconds", "Client request latency, "
@@ -130,7 +182,6 @@ class Metrics:
                                "a release API), by outcome", ["outcome"], registry=r)
         self._unreclaimable = Counter("atomesh_kv_unreclaimable", "Orphaned transfers the mesh could not free",
                                       ["pipeline"], registry=r)
-        self._cache: dict[tuple[object, ...], Any] = {}
         self.exposed = r                     # what /metrics renders
         self._mirrors: dict[str, Gauge] = {}
         self._mirrored: dict[str, set[tuple[str, ...]]] = {}
@@ -141,10 +192,18 @@ class Metrics:
             multiprocess.MultiProcessCollector(self.exposed)  # type: ignore[no-untyped-call]  # untyped upstream
             self.exposed.register(_BadRequests())   # this process's parser refusals only
 
+    def flush(self) -> None:
+        """The request path's tallies into prometheus-client's metrics (in multiprocess mode, its
+        files): on every read of the registry, and from `sync_live`."""
+        for t in self._cache.values():
+            t.fold()
+
     def sync_live(self) -> None:
-        """Multiprocess mode: this process's live gauges into the shared files (see the docstring)."""
+        """Multiprocess mode: this process's live gauges into the shared files (see the docstring),
+        and its tallies (`flush`)."""
         if not self.multiprocess:
             return
+        self.flush()
         for c in self._live:
             for fam in c.collect():
                 mode: Literal["livesum", "livemax"] = "livesum" if fam.name in _SUMMED else "livemax"
@@ -162,11 +221,11 @@ class Metrics:
                     g.remove(*gone)
                 self._mirrored[fam.name] = seen
 
-    def _child(self, metric: Any, *labels: str) -> Any:
+    def _child(self, metric: Any, *labels: str) -> _Tally:
         key = (id(metric), *labels)
         c = self._cache.get(key)
         if c is None:
-            c = self._cache[key] = metric.labels(*labels)
+            c = self._cache[key] = _Tally(metric.labels(*labels) if labels else metric)
         return c
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
@@ -191,7 +250,7 @@ class Metrics:
     def kv_terminal(self, state: str, reason: str, held_s: float | None) -> None:
         self._child(self._terminal, state, reason).inc()
         if held_s is not None:
-            self._release_latency.observe(held_s)
+            self._child(self._release_latency).observe(held_s)
 
     def drain(self, outcome: str) -> None:
         self._child(self._drains, outcome).inc()
@@ -200,7 +259,7 @@ class Metrics:
         self._child(self._unreclaimable, pipeline).inc()
 
     def duplicate_release(self) -> None:
-        self._dup_releases.inc()
+        self._child(self._dup_releases).inc()
 
     def set_healthy(self, counts: Mapping[str, int]) -> None:
         for role in ("prefill", "decode", "worker"):

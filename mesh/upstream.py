@@ -120,18 +120,22 @@ class Leg:
         if w.auth:  # the worker's own upstream key wins over a forwarded client key
             headers = {**headers, **w.auth}
         try:
-            async with asyncio.timeout(first_byte):
-                self.resp = resp = await self.up.h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle)
-                if resp.status >= 300:
-                    body = await resp.read()
-                    if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
-                        self.failed("kv_transfer", passive=False)
-                        raise KVSourceLost(f"decode worker {w.id} could not pull the KV: {_error_message(body)}")
-                    # a 503 is capacity (e.g. kv_exhausted) or a worker saying it is out: counted,
-                    # but it does not open the breaker (the health probe takes out what is down)
-                    self.failed(f"status_{resp.status // 100}xx", passive=resp.status >= 500 and resp.status != 503)
-                    raise upstream_status_error(role, w, resp.status, body)
-                first = await (resp.readany() if stream else resp.read())
+            # `first_byte` bounds the connect, the head and the first bytes (the whole body unless
+            # `stream`): one timer on the response (`H1Pool.post(deadline=)`)
+            deadline = asyncio.get_running_loop().time() + first_byte
+            self.resp = resp = await self.up.h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle,
+                                                     deadline=deadline)
+            if resp.status >= 300:
+                body = await resp.read()
+                if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
+                    self.failed("kv_transfer", passive=False)
+                    raise KVSourceLost(f"decode worker {w.id} could not pull the KV: {_error_message(body)}")
+                # a 503 is capacity (e.g. kv_exhausted) or a worker saying it is out: counted,
+                # but it does not open the breaker (the health probe takes out what is down)
+                self.failed(f"status_{resp.status // 100}xx", passive=resp.status >= 500 and resp.status != 503)
+                raise upstream_status_error(role, w, resp.status, body)
+            first = await (resp.readany() if stream else resp.read())
+            resp.clear_deadline()
             if not first:
                 self.failed("empty")
                 raise UpstreamError(f"{role} worker {w.id} closed its answer without a byte")

@@ -367,3 +367,26 @@ async def test_relay_framed_failure_and_cut_mid_stream(pool):
             await r.relay(got.append, lambda b, end: got.append(unframe(b, end)), b"\n\n")
         assert got == [b"data: 1\n\n"]
         r.close()
+
+
+async def test_post_deadline_bounds_head_and_body_until_cleared(pool):
+    """`post(deadline=)`: a head that never comes and a body that stalls fail with TimeoutError at the
+    deadline (the connection is not reused); after `clear_deadline` only `idle` bounds the waits."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, port, conns = await raw_server(lambda req: [0.5, head, b"1\r\na\r\n", 0.4, b"1\r\nb\r\n0\r\n\r\n"])
+    async with server:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):   # no head within 0.2 s
+            await pool.post("127.0.0.1", port, "/x", b"x", {}, deadline=t0 + 0.2)
+        assert 0.15 < loop.time() - t0 < 0.45
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, deadline=loop.time() + 0.7)
+        assert await r.readany() == b"a"
+        with pytest.raises(TimeoutError):   # the body stalls past the deadline
+            await r.readany()
+        r.close()
+        r = await pool.post("127.0.0.1", port, "/x", b"x", {}, deadline=loop.time() + 0.7, idle=2.0)
+        assert await r.readany() == b"a"
+        r.clear_deadline()
+        assert await r.read() == b"b"     # past the old deadline: cleared
+        assert len(conns) == 3            # the timed-out connections were not reused
