@@ -233,6 +233,8 @@ class H1Response:
         (one slice each). Returns what is left for the general parser (a partial chunk, the last
         chunk and its trailers, anything odd)."""
         pos, n = 0, len(data)
+        queue = self._sink is None   # nobody reads from here yet: the payloads are queued, one push
+        out: list[bytes] = []
         while pos < n:
             end = data.find(b"\r\n", pos, pos + 4096)
             if end < 0:
@@ -244,10 +246,15 @@ class H1Response:
             stop = end + 2 + size
             if size <= 0 or stop + 2 > n or data[stop:stop + 2] != b"\r\n":
                 break
-            self._push(data[end + 2:stop])
+            if queue:
+                out.append(data[end + 2:stop])
+            else:
+                self._push(data[end + 2:stop])
+                if self._done:   # a failed relay: what follows is dropped
+                    return b""
             pos = stop + 2
-            if self._done:   # a failed relay: what follows is dropped
-                return b""
+        if out:
+            self._push(out[0] if len(out) == 1 else b"".join(out))
         return data[pos:] if pos else data
 
     def _feed_framed(self, data: bytes) -> None:

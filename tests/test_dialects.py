@@ -309,3 +309,29 @@ def test_vllm_mooncake_legs_and_bootstrap_answers():
     for bad in ([], {}, {"x": {"engine_id": "e"}}, {"0": {"engine_id": 5}}, {"0": "e"}, {"0": {}}):
         with pytest.raises(ProtocolError):
             parse_bootstrap("b", bad)
+
+
+def test_entropy_ids_are_random_distinct_and_not_shared_with_a_forked_child() -> None:
+    """mesh.flows.Entropy: 63-bit rooms and hex transfer ids from os.urandom read in blocks; across
+    a buffer refill they stay distinct, and a forked child draws fresh bytes, not its parent's."""
+    import os
+
+    from mesh.flows import Entropy
+
+    e = Entropy()
+    rooms = [e.bits63() for _ in range(3 * Entropy.SIZE // 8 + 5)]   # three refills and some
+    assert len(set(rooms)) == len(rooms) and all(0 <= r < 2 ** 63 for r in rooms)
+    assert max(rooms).bit_length() > 55   # all 63 bits in use
+    ids = {e.hex(16) for _ in range(1000)}
+    assert len(ids) == 1000 and all(len(i) == 32 for i in ids)
+    e.take(8)   # a buffer in hand at the fork
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: what it draws next goes to the parent
+        os.write(w, e.take(64))
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 64)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert child != e.take(64)
