@@ -487,9 +487,7 @@ class H1Response:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self.clear_deadline()
 
     def _deadline_hit(self) -> None:
         """`post(deadline=)` passed before `clear_deadline`: the head or body wait fails with
