@@ -147,7 +147,7 @@ async def generate(st: MeshState, kind: str, client: Client) -> Any:
     body (an unauthenticated client gets its 401 without us reading a byte), the body within its
     deadline, parse, admission, the proxy. Returns the client's answer (whole, or the stream the
     proxy wrote)."""
-    loop = asyncio.get_running_loop()
+    loop = client.loop
     t0 = loop.time()
     status = 500
     rid = None

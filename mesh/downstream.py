@@ -8,6 +8,7 @@ body, a whole answer (`reply`) and a streamed one (`open_stream`).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -29,6 +30,9 @@ class Client(Protocol):
 
     @property
     def complete(self) -> bool: ...   # the whole body has been read (`body` returns at once)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...   # the loop serving it (no lookup per call)
 
     async def body(self, limit: int) -> bytes: ...
 
@@ -53,6 +57,10 @@ class AioClient:
     @property
     def complete(self) -> bool:
         return False   # read through aiohttp's stream, under the body timeout
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
 
     async def body(self, limit: int) -> bytes:
         """The body as one bytes object, copied at most once (the pieces joined; one piece as it

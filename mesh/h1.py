@@ -78,7 +78,7 @@ class H1Response:
                  "_done", "_error", "_waiter", "_head_waiter", "_keep", "_buffered", "_paused", "_idle",
                  "_timer", "_wait_start", "_sink", "_held", "_framed", "_tail", "_at_tail", "_deadline")
 
-    def __init__(self, conn: _Conn, idle: float | None) -> None:
+    def __init__(self, conn: _Conn, idle: float | None, loop: asyncio.AbstractEventLoop) -> None:
         self._conn = conn
         self._idle = idle
         self.status = 0
@@ -91,7 +91,6 @@ class H1Response:
         self._buffered = 0
         self._done = False
         self._error: BaseException | None = None
-        loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
         self._head_waiter: asyncio.Future[None] = loop.create_future()
         self._keep = True
@@ -404,7 +403,7 @@ class H1Response:
         """A new waiter for the next bytes (or the end), the idle clock started: one timer per
         response, re-armed only when it fires early (not an asyncio.timeout per wait: an SSE relay
         waits once per upstream read, ~4 us each)."""
-        loop = asyncio.get_running_loop()
+        loop = self._head_waiter.get_loop()
         self._waiter = loop.create_future()
         if self._idle is not None:
             self._wait_start = loop.time()
@@ -553,11 +552,20 @@ class H1Pool:
         self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
         self._ssl: _ssl.SSLContext | None = None
         self._all: set[_Conn] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this pool serves (its connections are its): looked up at the first use only, as
+        CPython 3.11's get_running_loop makes a getpid call each time."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     async def _get(self, host: str, port: int, tls: bool, connect_timeout: float | None = None) -> _Conn:
         key = (host, port, tls)
         idle = self._idle.get(key)
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if idle:
             stale = loop.time() - self.idle_s
             while idle:
@@ -577,7 +585,7 @@ class H1Pool:
         return conn
 
     def _put(self, conn: _Conn) -> None:
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = self.loop.time()
         lst = self._idle.setdefault(conn.key, [])
         if len(lst) < self.max_idle:
             lst.append(conn)
@@ -596,9 +604,9 @@ class H1Pool:
         clock): the connect, the head and every body wait fail with TimeoutError past it, until the
         caller calls `clear_deadline` (one timer, not an `asyncio.timeout` around the call: that
         costs ~5 us a leg in task bookkeeping)."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         conn = await self._get(host, port, tls, None if deadline is None else max(0.0, deadline - loop.time()))
-        resp = H1Response(conn, idle)
+        resp = H1Response(conn, idle, loop)
         conn.resp = resp
         if deadline is not None:
             resp._deadline = loop.call_at(deadline, resp._deadline_hit)
@@ -621,6 +629,7 @@ class H1Pool:
             c.abort()
         self._all.clear()
         self._idle.clear()
+        self._loop = None
 
 
 __all__: list[Any] = ["H1Pool", "H1Response", "H1Error", "split_url"]

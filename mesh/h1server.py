@@ -170,11 +170,15 @@ class FastClient:
     def complete(self) -> bool:
         return not self._need and not self._over
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._conn.loop
+
     async def body(self, limit: int) -> bytes:
         if self._over:
             raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
         if self._need:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._conn.loop.create_future()
             await self._waiter
         b = self._body
         return b[0] if len(b) == 1 else b"".join(b)
@@ -208,6 +212,9 @@ class Conn(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.keep_alive = True
         self.resumers: list[Callable[[], None]] = []   # `FastStream.on_resume`
+        # the loop, looked up once per connection: CPython 3.11's get_running_loop makes a getpid
+        # call each time (~19 a request on the hot path before: bench/overhead.py, perf stat)
+        self.loop = asyncio.get_running_loop()
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -268,7 +275,7 @@ class Conn(asyncio.Protocol):
 
     async def drained(self) -> None:
         if self._drain is None:
-            self._drain = asyncio.get_running_loop().create_future()
+            self._drain = self.loop.create_future()
         await self._drain
 
     # -- requests ---------------------------------------------------------------------------
@@ -277,7 +284,7 @@ class Conn(asyncio.Protocol):
         """The deadline for the next whole head (keep-alive idle, or a head trickled slowly)."""
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self.srv.keepalive_s, self._idle)
+        self._timer = self.loop.call_later(self.srv.keepalive_s, self._idle)
 
     def _idle(self) -> None:
         self._timer = None
@@ -338,7 +345,7 @@ class Conn(asyncio.Protocol):
         if rest:
             rest = req._feed(rest)
             self.buf = rest
-        self.task = asyncio.get_running_loop().create_task(self._run(kind, req))
+        self.task = self.loop.create_task(self._run(kind, req))
 
     async def _run(self, kind: str, req: FastClient) -> None:
         try:
@@ -399,7 +406,7 @@ class Conn(asyncio.Protocol):
             if not self.reading:
                 self.reading = True
                 t.resume_reading()
-            asyncio.get_running_loop().call_later(LINGER_S, t.close)
+            self.loop.call_later(LINGER_S, t.close)
         else:
             t.close()
 

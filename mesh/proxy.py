@@ -233,7 +233,7 @@ class Proxy:
     # -- PD -------------------------------------------------------------------------------
 
     async def pd(self, request: Client, creq: ClientRequest) -> Any:
-        t0 = asyncio.get_running_loop().time()
+        t0 = request.loop.time()
         if needs_split(creq):
             cands = self.fleet.table.candidates("prefill", creq.model)
             if cands and FLOWS[cands[0].record.dialect].fanout:
@@ -293,7 +293,7 @@ class Proxy:
         call = self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill,
                                                 lift=flow.lift_block_ids)
         # an engine without a release API keeps what a cut prefill held: let it finish, then drain
-        job = asyncio.ensure_future(call) if drains else None
+        job = request.loop.create_task(call) if drains else None
         try:
             pres = await (asyncio.shield(job) if job is not None else call)
             self._end(span)
@@ -311,7 +311,7 @@ class Proxy:
             if job is not None:
                 self.bg.spawn(self._drain_after(job, flow, creq, pw, dw, pbody, ctx))
             raise
-        t1 = asyncio.get_running_loop().time()
+        t1 = request.loop.time()
         self.metrics.leg("prefill", t1 - t0)
         try:
             h = flow.handoff(creq, pw, dw, pres, allow_early and self.cfg.first_token_early, pbody, ctx)
@@ -402,13 +402,14 @@ class Proxy:
         headers = self._headers(request, creq)
         pspan, ph = self._span("prefill", creq, pw, headers)
         dspan, dh = self._span("decode", creq, dw, headers)
-        pre = asyncio.ensure_future(self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill))
+        loop = request.loop
+        pre = loop.create_task(self.up.open("prefill", pw).json(creq.path, pbody, ph, self.cfg.timeouts.prefill))
         if pspan is not None:
             pre.add_done_callback(lambda f: self._end(pspan, None if f.cancelled() else f.exception()))
-        dec = asyncio.ensure_future(self._open_leg("decode", dw, creq, orjson.dumps(dbody), dh, retry=False,
-                                                   source=pw))
+        dec = loop.create_task(self._open_leg("decode", dw, creq, orjson.dumps(dbody), dh, retry=False,
+                                              source=pw))
         try:
-            either = asyncio.get_running_loop().create_future()   # (asyncio.wait: a set and two callbacks more)
+            either = loop.create_future()   # (asyncio.wait: a set and two callbacks more)
 
             def one_done(f: asyncio.Future[Any]) -> None:
                 if not either.done():
@@ -450,7 +451,7 @@ class Proxy:
             if not isinstance(err, MeshError):   # a MeshError is counted against the pipeline by its leg
                 log.error("request's prefill leg on %s failed", pw.id, exc_info=err)
             return
-        self.metrics.leg("prefill", asyncio.get_running_loop().time() - t0)
+        self.metrics.leg("prefill", pre.get_loop().time() - t0)
         self.fleet.succeeded(pw.id)
 
     # -- orphans on engines without a release API --------------------------------------------
@@ -518,7 +519,7 @@ class Proxy:
         ans = Answer(creq.kind, creq.model, creq.request_id, h.params.get("response_meta"))
         ids = [h.first_token_id] if creq.body.get("return_token_ids") and h.first_token_id is not None else None
         await out.write(ans.first_chunk() + ans.chunk(text, None, ids, logprobs=lps if isinstance(lps, dict) else None))
-        self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
+        self.metrics.ttft(creq.kind, request.loop.time() - t0)
         return out
 
     # -- several sequences in one request ------------------------------------------------------
@@ -533,7 +534,7 @@ class Proxy:
                 assert isinstance(d, Decoded)  # no early stream: nothing answered the client yet
                 return d
 
-        tasks = [asyncio.ensure_future(run(p)) for p in parts]
+        tasks = [request.loop.create_task(run(p)) for p in parts]
         try:
             decs = await asyncio.gather(*tasks)
         except BaseException:
@@ -550,7 +551,7 @@ class Proxy:
             finally:
                 for d in decs:
                     d.close()
-            self.metrics.leg("decode", asyncio.get_running_loop().time() - min(d.t_leg for d in decs))
+            self.metrics.leg("decode", request.loop.time() - min(d.t_leg for d in decs))
             return request.reply(body, 200, {"Content-Type": "application/json", "X-Request-Id": creq.request_id})
         return await self._merged_stream(request, creq, parts, decs, merge, t0)
 
@@ -578,11 +579,11 @@ class Proxy:
                 d.close()
                 q.put_nowait((p, None))
 
-        tasks = [asyncio.ensure_future(pump(p, d)) for p, d in zip(parts, decs)]
+        tasks = [request.loop.create_task(pump(p, d)) for p, d in zip(parts, decs)]
         try:
             out = await request.open_stream(200, {
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": creq.request_id})
-            self.metrics.ttft(creq.kind, asyncio.get_running_loop().time() - t0)
+            self.metrics.ttft(creq.kind, request.loop.time() - t0)
             left = len(tasks)
             while left:
                 p, ev = await q.get()
@@ -608,7 +609,7 @@ class Proxy:
     # -- regular --------------------------------------------------------------------------
 
     async def regular(self, request: Client, creq: ClientRequest) -> Any:
-        t0 = asyncio.get_running_loop().time()
+        t0 = request.loop.time()
         w = self._pick("worker", creq)
         headers = self._headers(request, creq)
         leg, first = await self._open_leg("worker", w, creq, creq.raw or orjson.dumps(creq.body), headers, retry=True)
@@ -646,7 +647,7 @@ class Proxy:
                 await asyncio.sleep(self._backoff(len(tried)))
 
     async def _relay(self, request: Client, creq: ClientRequest, d: Decoded, t0: float) -> Any:
-        loop = asyncio.get_running_loop()
+        loop = request.loop
         role = d.leg.role
         resp = d.leg.resp
         assert resp is not None

@@ -122,8 +122,9 @@ class Leg:
         try:
             # `first_byte` bounds the connect, the head and the first bytes (the whole body unless
             # `stream`): one timer on the response (`H1Pool.post(deadline=)`)
-            deadline = asyncio.get_running_loop().time() + first_byte
-            self.resp = resp = await self.up.h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle,
+            h1 = self.up.h1
+            deadline = h1.loop.time() + first_byte
+            self.resp = resp = await h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle,
                                                      deadline=deadline)
             if resp.status >= 300:
                 body = await resp.read()
