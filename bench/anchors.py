@@ -153,7 +153,7 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
 
 async def run(a: argparse.Namespace) -> int:
     from bench.overhead import Client, run_one
-    from bench.procs import MESH, start
+    from bench.procs import MESH, Syscalls, start
 
     bindir = ensure_routers()
     cores = sorted(os.sched_getaffinity(0))
@@ -161,10 +161,13 @@ async def run(a: argparse.Namespace) -> int:
     os.sched_setaffinity(0, rest)
     rows: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="atomesh-anchors-"))
+    count = Syscalls.available()
+    if not count:
+        print("(perf stat cannot count system calls here: the proxies' reads, writes and wake-ups are not shown)")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for dialect, router in (("sglang", "sglang-router"), ("vllm", "vllm-router"), ("atom", None)):
             fleet, lines = start([*MESH, "mock-fleet", "--dialect", dialect, "--prefill", str(a.prefill),
-                                  "--decode", str(a.decode)], "ready")
+                                  "--decode", str(a.decode), *a.fleet_args.split()], "ready")
             pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
             dec = [x.split()[1] for x in lines if x.startswith("decode ")]
             Tree(fleet.pid).pin(rest)
@@ -185,14 +188,20 @@ async def run(a: argparse.Namespace) -> int:
                             client = Client(s, url, pre, dec)
                             client.check = True
                             tree = Tree(p.pid) if p is not None else Tree(os.getpid())
-                            r = await run_one(client, "direct" if p is None else "mesh", stream, conc, a.seconds, tree)
+                            r = await run_one(client, "direct" if p is None else "mesh", stream, conc, a.seconds, tree,
+                                              count_syscalls=count and p is not None)
                             row = {"dialect": dialect, "proxy": name, "mode": r.mode, "c": conc, "rps": r.rps,
                                    "p50_ms": r.p50_ms, "errors": r.errors, "requests": r.requests,
-                                   "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None}
+                                   "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None,
+                                   "client_reads_per_stream": r.reads_per_stream, "syscalls_per_req": r.syscalls_per_req}
                             rows.append(row)
                             cpu = f"  cpu {row['cpu_ms_per_req']:.3f} ms/req" if row["cpu_ms_per_req"] else ""
+                            sc = r.syscalls_per_req
+                            calls = (f"  reads {sc['reads']:.1f} writes {sc['writes']:.1f} wake-ups {sc['waits']:.1f}"
+                                     if sc else "")
+                            got = f"  client reads/stream {r.reads_per_stream:.0f}" if r.reads_per_stream else ""
                             print(f"{dialect:6} {name:14} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  "
-                                  f"p50 {r.p50_ms:7.2f} ms  errors {r.errors}{cpu}", flush=True)
+                                  f"p50 {r.p50_ms:7.2f} ms  errors {r.errors}{cpu}{calls}{got}", flush=True)
             finally:
                 for _, p, _ in procs:
                     p.terminate()

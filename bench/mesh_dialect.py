@@ -31,7 +31,7 @@ import aiohttp  # noqa: E402
 
 import bench.overhead as overhead  # noqa: E402
 from bench.anchors import Tree, start_mesh, wait_serving  # noqa: E402
-from bench.procs import MESH, start  # noqa: E402
+from bench.procs import MESH, Syscalls, start  # noqa: E402
 
 
 async def run(a: argparse.Namespace) -> int:
@@ -39,12 +39,14 @@ async def run(a: argparse.Namespace) -> int:
     proxy_core, rest = {cores[-1]}, set(cores[:-1]) or {cores[-1]}
     os.sched_setaffinity(0, rest)
     tmp = Path(tempfile.mkdtemp(prefix="atomesh-dialect-"))
-    fleet, lines = start([*MESH, "mock-fleet", "--dialect", a.dialect, "--prefill", "1", "--decode", "1"], "ready")
+    fleet, lines = start([*MESH, "mock-fleet", "--dialect", a.dialect, "--prefill", "1", "--decode", "1",
+                          *a.fleet_args.split()], "ready")
     pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
     dec = [x.split()[1] for x in lines if x.startswith("decode ")]
     Tree(fleet.pid).pin(rest)
     mp, url = start_mesh(MESH, a.dialect, pre, dec, tmp)
     errors = 0
+    count = Syscalls.available()
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             await wait_serving(s, url, mp)
@@ -53,10 +55,14 @@ async def run(a: argparse.Namespace) -> int:
                 for conc in a.concurrency:
                     client = overhead.Client(s, url, pre, dec)
                     client.check = True
-                    r = await overhead.run_one(client, "mesh", stream, conc, a.seconds, Tree(mp.pid))
+                    r = await overhead.run_one(client, "mesh", stream, conc, a.seconds, Tree(mp.pid),
+                                               count_syscalls=count)
                     errors += r.errors
+                    sc = r.syscalls_per_req
+                    calls = (f"  reads {sc['reads']:.1f} writes {sc['writes']:.1f} wake-ups {sc['waits']:.1f}"
+                             if sc else "")
                     print(f"{a.dialect:6} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  "
-                          f"errors {r.errors}  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req", flush=True)
+                          f"errors {r.errors}  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req{calls}", flush=True)
     finally:
         mp.terminate()
         mp.wait(15)
@@ -71,6 +77,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16", help="comma-separated, e.g. 1,16,64")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--mesh-tree", help="run the mesh and the mock fleet from this source tree")
+    ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
+                    "'--decode-ms-per-token 0.5' (tokens paced: one upstream read each)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each run")
     a = ap.parse_args()
     a.concurrency = [int(c) for c in a.concurrency.split(",")]

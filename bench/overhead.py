@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +58,11 @@ class Result:
     ttft_p50_ms: float
     mesh_cpu_ms_per_req: float | None
     mesh_sys_share: float | None = None   # of that CPU, the kernel's (system time): syscalls, copies
+    # SSE: the median count of reads that brought this client bytes, per stream (a proxy that sends
+    # each event as it comes gives about one per event; one that gathers events, fewer)
+    reads_per_stream: float | None = None
+    # the proxy's system calls per request by kind (`bench.procs.Syscalls`), where counted
+    syscalls_per_req: dict[str, float] | None = None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -74,6 +80,7 @@ class Client:
         self.s, self.mesh, self.prefills, self.decodes = session, mesh, prefills, decodes
         self.i = 0
         self.check = False   # read every answer whole and check its token count (bench/anchors.py)
+        self.reads: list[int] = []   # SSE: per stream, the reads that brought bytes
         self.filler = "".join(chr(97 + (i * 7919) % 26) for i in range(prompt_bytes)) if prompt_bytes else ""
 
     def body(self, stream: bool) -> dict[str, Any]:
@@ -98,10 +105,14 @@ class Client:
             first = await r.content.readany()
             ttft = time.perf_counter() - t0
             got = [first]
+            reads = 0
             while first:
+                reads += 1
                 first = await r.content.readany()
                 if self.check:
                     got.append(first)
+            if stream:
+                self.reads.append(reads)
         if self.check:
             from bench.anchors import check_tokens
 
@@ -127,8 +138,12 @@ class Client:
                 raise RuntimeError(f"decode answered {r.status}")
             first = await r.content.readany()
             ttft = time.perf_counter() - t0
+            reads = 0
             while first:
+                reads += 1
                 first = await r.content.readany()
+            if stream:
+                self.reads.append(reads)
         return time.perf_counter() - t0, ttft
 
 
@@ -136,7 +151,9 @@ PROFILE: str | None = None   # --profile: where py-spy's samples of the mesh go
 
 
 async def run_one(client: Client, target: str, stream: bool, conc: int, seconds: float,
-                  mesh_proc: Any) -> Result:
+                  mesh_proc: Any, count_syscalls: bool = False) -> Result:
+    """`count_syscalls`: the proxy's (`mesh_proc`'s tree's) system calls over the measured part,
+    by `perf stat` (`bench.procs.Syscalls`; the caller checks that it is available)."""
     fn = client.via_mesh if target == "mesh" else client.direct
     lat: list[float] = []
     ttft: list[float] = []
@@ -161,11 +178,20 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
             except Exception:  # noqa: BLE001 - counted, the run goes on
                 errors += 1
 
+    counter = None
+    if count_syscalls:
+        from bench.procs import Syscalls
+
+        counter = Syscalls([q.pid for q in mesh_proc.procs()],
+                           Path(tempfile.mkdtemp(prefix="atomesh-perf-")) / "stat.csv")
+        counter.start()
     u0, s0 = mesh_proc.cpu_times()[:2]
+    client.reads.clear()
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(conc)))
     dt = time.perf_counter() - t0
     u1, s1 = mesh_proc.cpu_times()[:2]
+    calls = counter.stop() if counter is not None else None
     cpu = (u1 - u0) + (s1 - s0)
     if spy is not None:
         spy.wait(60)
@@ -174,7 +200,9 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
                   round(pct(lat, 0.5) * 1e3, 3), round(pct(lat, 0.99) * 1e3, 3),
                   round(pct(ttft, 0.5) * 1e3, 3),
                   round(cpu / n * 1e3, 4) if target == "mesh" and n else None,
-                  round((s1 - s0) / cpu, 3) if target == "mesh" and cpu > 0 else None)
+                  round((s1 - s0) / cpu, 3) if target == "mesh" and cpu > 0 else None,
+                  pct([float(x) for x in client.reads], 0.5) if client.reads else None,
+                  {k: round(v / n, 1) for k, v in calls.items()} if calls is not None and n else None)
 
 
 async def main(a: argparse.Namespace) -> list[Result]:

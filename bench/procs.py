@@ -47,3 +47,62 @@ def start(args: list[str], until: str, timeout: float = 180) -> tuple[subprocess
             return p, lines
     p.terminate()
     raise RuntimeError(f"{' '.join(args[:2])} not ready within {timeout:.0f}s")
+
+
+class Syscalls:
+    """The system calls a set of processes makes between `start` and `stop`, counted by `perf stat`
+    on the kernel's syscall tracepoints (no sampling, no slowdown worth the name; strace would slow
+    them several-fold and change what it counts). Where `perf` is missing or not allowed
+    (`kernel.perf_event_paranoid`, no tracefs), `available()` is False and nothing is counted.
+
+    Grouped as a proxy's work per request: `reads` (read, recvfrom, recvmsg), `writes` (write,
+    writev, sendto, sendmsg), `waits` (epoll_wait, epoll_pwait: the loop going to the kernel for
+    events, once per wake-up)."""
+
+    GROUPS = {"reads": ("read", "recvfrom", "recvmsg"), "writes": ("write", "writev", "sendto", "sendmsg"),
+              "waits": ("epoll_wait", "epoll_pwait")}
+
+    def __init__(self, pids: list[int], out: Path) -> None:
+        self.pids, self.out = pids, out
+        self.p: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        import shutil
+
+        if shutil.which("perf") is None:
+            return False
+        r = subprocess.run(["perf", "stat", "-x,", "-e", "syscalls:sys_enter_read", "true"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return r.returncode == 0 and "<not" not in r.stderr
+
+    def start(self) -> None:
+        ev = [f"syscalls:sys_enter_{n}" for names in self.GROUPS.values() for n in names]
+        self.p = subprocess.Popen(["perf", "stat", "-x,", "-o", str(self.out), "-e", ",".join(ev),
+                                   "-p", ",".join(str(p) for p in self.pids)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)   # perf attaches
+
+    def stop(self) -> dict[str, int]:
+        """The counts by group (perf is stopped by SIGINT, as at a terminal, to print them)."""
+        import signal
+
+        assert self.p is not None
+        self.p.send_signal(signal.SIGINT)
+        self.p.wait(30)
+        return self.parse(self.out.read_text())
+
+    @classmethod
+    def parse(cls, csv: str) -> dict[str, int]:
+        """`perf stat -x,` output (`count,unit,event,...`; `<not counted>` where it could not count)
+        summed by group."""
+        counts = {g: 0 for g in cls.GROUPS}
+        for line in csv.splitlines():
+            parts = line.split(",")
+            if len(parts) < 3 or not parts[0].strip().isdigit():
+                continue
+            name = parts[2].removeprefix("syscalls:sys_enter_")
+            for g, names in cls.GROUPS.items():
+                if name in names:
+                    counts[g] += int(parts[0])
+        return counts
