@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import time
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -120,6 +121,53 @@ async def test_sglang_failed_prefill_is_re_paired_and_its_decode_cut(make_pd, ht
     assert pd.fleet.prefills[1].requests == 4
     assert pd.fleet.decodes[0].pulls_failed == 0  # cut while waiting for a room that never came
     assert b'atomesh_retries_total{leg="prefill"} 2.0' in await (await http.get(pd.url + "/metrics")).read()
+    await held_nowhere(pd.fleet)
+
+
+async def _settled(pd) -> None:
+    """Nothing in flight at the mesh or on any mock worker (the legs it cut are gone)."""
+    want = {w: 0 for w in pd.state.fleet.in_flight}
+    for _ in range(250):
+        workers = [*pd.fleet.prefills, *pd.fleet.decodes]
+        if pd.state.fleet.in_flight == want and all(w.in_flight == 0 for w in workers):
+            return
+        await asyncio.sleep(0.02)
+    assert pd.state.fleet.in_flight == want
+    assert {w.id: w.in_flight for w in [*pd.fleet.prefills, *pd.fleet.decodes]} == {}
+
+
+async def test_sglang_prefill_4xx_is_the_clients_answer_and_its_decode_is_cut(make_pd, http):
+    """The decode leg runs in the request's own task: a prefill that fails while the decode waits
+    for its room cancels that task, and this cancel (only this one) becomes the prefill's error."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect="sglang"))
+    pd.fleet.prefills[0].faults = MockFaults(status=400)
+    for stream in (False, True):
+        async with http.post(pd.url + "/v1/completions", json={**BODY, "stream": stream}) as r:
+            assert r.status == 400, await r.text()
+            assert "error" in await r.json()
+    await _settled(pd)
+    assert pd.fleet.decodes[0].pulls_failed == 0   # cut before the room's wait ran out
+    assert b'atomesh_retries_total{leg="prefill"}' not in await (await http.get(pd.url + "/metrics")).read()
+    await held_nowhere(pd.fleet)
+    pd.fleet.prefills[0].faults = MockFaults()
+    async with http.post(pd.url + "/v1/completions", json=BODY) as r:   # the task and the pair serve on
+        assert r.status == 200, await r.text()
+
+
+async def test_sglang_client_leaving_while_both_legs_wait_cuts_both(make_pd, http):
+    """A client that leaves while the prefill hangs and the decode waits for its room: the request's
+    cancel is not taken for the prefill's (no re-pair, no retry), and both legs are cut."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1, dialect="sglang"))
+    pd.fleet.prefills[0].faults = MockFaults(hang=True)
+    with pytest.raises(asyncio.TimeoutError):
+        async with http.post(pd.url + "/v1/completions", json=BODY, timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+            await r.read()
+    await _settled(pd)
+    assert b'atomesh_retries_total{leg="prefill"}' not in await (await http.get(pd.url + "/metrics")).read()
+    assert pd.fleet.prefills[0].requests == 1 and pd.fleet.decodes[0].requests == 1
+    pd.fleet.prefills[0].faults = MockFaults()
+    async with http.post(pd.url + "/v1/completions", json=BODY) as r:
+        assert r.status == 200, await r.text()
     await held_nowhere(pd.fleet)
 
 
