@@ -125,7 +125,7 @@ class Leg:
             h1 = self.up.h1
             deadline = h1.loop.time() + first_byte
             self.resp = resp = await h1.post(w.host, w.port, path, data, headers, tls=w.tls, idle=idle,
-                                                     deadline=deadline)
+                                             deadline=deadline)
             if resp.status >= 300:
                 body = await resp.read()
                 if role == "decode" and resp.status == 502 and b'"kv_transfer_failed"' in body:
