@@ -5,8 +5,9 @@ would otherwise run, in one run, against the zero-cost mock fleet speaking each 
   --dialect sglang`, and the mesh over the same fleet;
 - vllm-router 0.1.17 (`vllm-router --vllm-pd-disaggregation`) against `--dialect vllm`, and the
   mesh over the same fleet;
-- the mesh in `atom` (its ledger on) against `--dialect atom`, and the direct baseline (this
-  client runs the prefill leg, then the decode leg, itself).
+- the mesh in `atom` (its ledger on) against `--dialect atom`;
+- in each dialect, the direct baseline: this client runs both legs itself, in that dialect
+  (`Client.direct`), so each proxy's added p50 is read against its own dialect's.
 
 The routers are installed by this script into `.venv-anchors` (a bench-only venv, pinned; the
 project never imports them). Every proxy runs pinned to the last core, the fleet and this client
@@ -183,10 +184,10 @@ async def run(a: argparse.Namespace) -> int:
                     Tree(p.pid).pin(proxy_core)
                 for stream in (False, True):
                     for conc in a.concurrency:
-                        targets = [*procs, *([("direct", None, "")] if dialect == "atom" else [])]
-                        for name, p, url in targets:
+                        for name, p, url in [*procs, (f"direct ({dialect})", None, "")]:
                             client = Client(s, url, pre, dec)
                             client.check = True
+                            client.dialect = dialect
                             tree = Tree(p.pid) if p is not None else Tree(os.getpid())
                             r = await run_one(client, "direct" if p is None else "mesh", stream, conc, a.seconds, tree,
                                               count_syscalls=count and p is not None)
@@ -226,10 +227,21 @@ def report(rows: list[dict[str, Any]]) -> int:
                                  f"(x{ratio:.2f})")
                     if router == "sglang-router" and c >= 16 and ratio > 1:
                         bad.append(f"{mode} c={c} x{ratio:.2f}")
-            atom, direct = by.get(("mesh (atom)", mode, c)), by.get(("direct", mode, c))
-            if atom and direct:
-                cells.append(f"mesh (atom) {atom['cpu_ms_per_req']:.3f}, "
-                             f"added p50 {atom['p50_ms'] - direct['p50_ms']:+.3f} ms")
+            atom = by.get(("mesh (atom)", mode, c))
+            if atom:
+                cells.append(f"mesh (atom) {atom['cpu_ms_per_req']:.3f}")
+            print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
+    print("\np50 added over the direct baseline of the same dialect (this client runs both legs itself):")
+    for mode in ("json", "sse64"):
+        for c in sorted({r["c"] for r in rows}):
+            cells = []
+            for dialect, names in (("sglang", ("mesh (sglang)", "sglang-router")),
+                                   ("vllm", ("mesh (vllm)", "vllm-router")), ("atom", ("mesh (atom)",))):
+                d = by.get((f"direct ({dialect})", mode, c))
+                for name in names:
+                    x = by.get((name, mode, c))
+                    if d and x:
+                        cells.append(f"{name} {x['p50_ms'] - d['p50_ms']:+.3f} ms")
             print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
     errors = sum(r["errors"] for r in rows)
     print(f"errors (wrong token counts included): {errors}")

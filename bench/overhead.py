@@ -80,6 +80,7 @@ class Client:
         self.s, self.mesh, self.prefills, self.decodes = session, mesh, prefills, decodes
         self.i = 0
         self.check = False   # read every answer whole and check its token count (bench/anchors.py)
+        self.dialect = "atom"   # the fleet's, for `direct`
         self.reads: list[int] = []   # SSE: per stream, the reads that brought bytes
         self.filler = "".join(chr(97 + (i * 7919) % 26) for i in range(prompt_bytes)) if prompt_bytes else ""
 
@@ -120,30 +121,65 @@ class Client:
         return time.perf_counter() - t0, ttft
 
     async def direct(self, stream: bool) -> tuple[float, float]:
+        """The PD request without a proxy: this client runs both legs in the fleet's dialect, as
+        the mesh (and each router) would. atom: prefill (one token, the decode named), then the
+        decode with the prefill's params; vllm (the NIXL toy proxy's protocol): prefill with
+        `do_remote_decode`, then the decode with the prefill's `kv_transfer_params` as they came;
+        sglang (mini_lb's): both legs at once with the same `bootstrap_host/port/room`."""
         t0 = time.perf_counter()
         body = self.body(stream)
         p = self.prefills[self.i % len(self.prefills)]
         d = self.decodes[self.i % len(self.decodes)]
-        host, port = d.split("://")[1].rsplit(":", 1)
-        pb = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": KVRequestParams(
-            remote_engine_id="d", remote_host=host, remote_port=int(port), remote_handshake_port=0,
-            remote_tp_size=1).encode()}
-        async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb),
-                               headers={"Content-Type": "application/json"}) as r:
-            kv = orjson.loads(await r.read())["kv_transfer_params"]
-        db = {**body, "kv_transfer_params": handoff_for_decode(kv)}
-        async with self.s.post(d + "/v1/completions", data=orjson.dumps(db),
-                               headers={"Content-Type": "application/json"}) as r:
+        json_h = {"Content-Type": "application/json"}
+        if self.dialect == "sglang":
+            host, port = p.split("://")[1].rsplit(":", 1)   # the mock's bootstrap server is its HTTP port
+            boot = {"bootstrap_host": host, "bootstrap_port": int(port),
+                    "bootstrap_room": int.from_bytes(os.urandom(8), "big") >> 1}
+            pb = {**body, **boot, "stream": False}
+
+            async def prefill() -> None:
+                async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb), headers=json_h) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"prefill answered {r.status}")
+
+            pre = asyncio.ensure_future(prefill())
+            db = {**body, **boot}
+        else:
+            pre = None
+            if self.dialect == "vllm":
+                pb = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {
+                    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                    "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+            else:
+                host, port = d.split("://")[1].rsplit(":", 1)
+                pb = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": KVRequestParams(
+                    remote_engine_id="d", remote_host=host, remote_port=int(port), remote_handshake_port=0,
+                    remote_tp_size=1).encode()}
+            async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb), headers=json_h) as r:
+                kv = orjson.loads(await r.read())["kv_transfer_params"]
+            db = {**body, "kv_transfer_params": kv if self.dialect == "vllm" else handoff_for_decode(kv)}
+        got = []
+        async with self.s.post(d + "/v1/completions", data=orjson.dumps(db), headers=json_h) as r:
             if r.status != 200:
                 raise RuntimeError(f"decode answered {r.status}")
             first = await r.content.readany()
             ttft = time.perf_counter() - t0
+            got.append(first)
             reads = 0
             while first:
                 reads += 1
                 first = await r.content.readany()
+                if self.check:
+                    got.append(first)
             if stream:
                 self.reads.append(reads)
+        if pre is not None:
+            await pre
+        if self.check:
+            from bench.anchors import check_tokens
+
+            check_tokens(b"".join(got), stream, body["max_tokens"])
         return time.perf_counter() - t0, ttft
 
 

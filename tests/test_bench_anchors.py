@@ -39,3 +39,36 @@ def test_syscall_counts_sum_perf_stat_lines_by_group() -> None:
            "545,,syscalls:sys_enter_epoll_pwait,4001230,100.00,,\n"
            "7,,syscalls:sys_enter_epoll_wait,4001230,100.00,,\n")
     assert Syscalls.parse(csv) == {"reads": 2962, "writes": 3884, "waits": 552}
+
+
+@pytest.mark.parametrize("dialect", ["atom", "vllm", "sglang"])
+async def test_direct_baseline_runs_both_legs_in_each_dialect(dialect: str) -> None:
+    """The baseline each proxy's added p50 is read against (`Client.direct`): against the mock fleet
+    of that dialect, every answer carries its tokens once, JSON and SSE, and the fleet ends with
+    nothing held or in flight (the prefill's KV went to a decode in every request)."""
+    import asyncio
+
+    import aiohttp
+
+    from bench.overhead import Client
+    from workers.mock import FleetSpec, MockFleet
+
+    fleet = MockFleet(FleetSpec(prefill=1, decode=1, dialect=dialect))
+    await fleet.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            c = Client(s, "", [w.url for w in fleet.prefills], [w.url for w in fleet.decodes])
+            c.check, c.dialect = True, dialect
+            for stream in (False, True, False, True):
+                total, ttft = await c.direct(stream)
+                assert 0 < ttft <= total
+            assert len(c.reads) == 2 and min(c.reads) >= 1   # the SSE streams' reads were counted
+        workers = [*fleet.prefills, *fleet.decodes]
+        for _ in range(100):
+            if not any(len(p.holder) for p in fleet.prefills) and not any(w.in_flight for w in workers):
+                break
+            await asyncio.sleep(0.02)
+        assert {p.id: len(p.holder) for p in fleet.prefills if len(p.holder)} == {}
+        assert {w.id: w.in_flight for w in workers if w.in_flight} == {}
+    finally:
+        await fleet.close()
