@@ -153,7 +153,7 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
 
 
 async def run(a: argparse.Namespace) -> int:
-    from bench.overhead import Client, run_one
+    from bench.overhead import Client, rounds
     from bench.procs import MESH, Syscalls, start
 
     bindir = ensure_routers()
@@ -182,15 +182,18 @@ async def run(a: argparse.Namespace) -> int:
                 for _, p, url in procs:
                     await wait_serving(s, url, p)
                     Tree(p.pid).pin(proxy_core)
+                named = [*procs, (f"direct ({dialect})", None, "")]
+                targets = []
+                for name, p, url in named:
+                    client = Client(s, url, pre, dec)
+                    client.check = True
+                    client.dialect = dialect
+                    targets.append((client, "direct" if p is None else "mesh",
+                                    Tree(p.pid) if p is not None else Tree(os.getpid()), count and p is not None))
                 for stream in (False, True):
                     for conc in a.concurrency:
-                        for name, p, url in [*procs, (f"direct ({dialect})", None, "")]:
-                            client = Client(s, url, pre, dec)
-                            client.check = True
-                            client.dialect = dialect
-                            tree = Tree(p.pid) if p is not None else Tree(os.getpid())
-                            r = await run_one(client, "direct" if p is None else "mesh", stream, conc, a.seconds, tree,
-                                              count_syscalls=count and p is not None)
+                        results = await rounds(targets, stream, conc, a.seconds / a.rounds, a.rounds, a.warm)
+                        for (name, p, _), r in zip(named, results):
                             row = {"dialect": dialect, "proxy": name, "mode": r.mode, "c": conc, "rps": r.rps,
                                    "p50_ms": r.p50_ms, "errors": r.errors, "requests": r.requests,
                                    "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None,

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +186,27 @@ class Client:
 PROFILE: str | None = None   # --profile: where py-spy's samples of the mesh go
 
 
+@dataclass
+class Raw:
+    """What the runs of one target at one (mode, concurrency) measured, pooled over its rounds."""
+    lat: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    reads: list[float] = field(default_factory=list)
+    calls: dict[str, float] | None = None
+    errors: int = 0
+    seconds: float = 0.0
+    user: float = 0.0
+    system: float = 0.0
+
+
 async def run_one(client: Client, target: str, stream: bool, conc: int, seconds: float,
-                  mesh_proc: Any, count_syscalls: bool = False) -> Result:
-    """`count_syscalls`: the proxy's (`mesh_proc`'s tree's) system calls over the measured part,
-    by `perf stat` (`bench.procs.Syscalls`; the caller checks that it is available)."""
+                  mesh_proc: Any, count_syscalls: bool = False, raw: Raw | None = None) -> Result:
+    """One closed-loop run. `count_syscalls`: the proxy's (`mesh_proc`'s tree's) system calls over
+    the measured part, by `perf stat` (`bench.procs.Syscalls`; the caller checks that it is
+    available). `raw`: add this run's measurements to it and answer for all it holds (`rounds`)."""
     fn = client.via_mesh if target == "mesh" else client.direct
-    lat: list[float] = []
-    ttft: list[float] = []
-    errors = 0
+    raw = raw if raw is not None else Raw()
+    lat, ttft = raw.lat, raw.ttft
     for _ in range(min(50, conc * 5) if not client.filler else 3):  # warm-up: connections and caches
         await fn(stream)
     stop_at = time.perf_counter() + seconds
@@ -205,14 +218,13 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def loop() -> None:
-        nonlocal errors
         while time.perf_counter() < stop_at:
             try:
                 a, b = await fn(stream)
                 lat.append(a)
                 ttft.append(b)
             except Exception:  # noqa: BLE001 - counted, the run goes on
-                errors += 1
+                raw.errors += 1
 
     counter = None
     if count_syscalls:
@@ -225,20 +237,48 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
     client.reads.clear()
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(conc)))
-    dt = time.perf_counter() - t0
+    raw.seconds += time.perf_counter() - t0
     u1, s1 = mesh_proc.cpu_times()[:2]
+    raw.user += u1 - u0
+    raw.system += s1 - s0
+    raw.reads += [float(x) for x in client.reads]
     calls = counter.stop() if counter is not None else None
-    cpu = (u1 - u0) + (s1 - s0)
+    if calls is not None:
+        raw.calls = {k: (raw.calls or {}).get(k, 0.0) + v for k, v in calls.items()}
     if spy is not None:
         spy.wait(60)
-    n = len(lat)
-    return Result(target, "sse64" if stream else "json", conc, n, errors, round(dt, 3), round(n / dt, 1),
-                  round(pct(lat, 0.5) * 1e3, 3), round(pct(lat, 0.99) * 1e3, 3),
-                  round(pct(ttft, 0.5) * 1e3, 3),
+    return pooled(raw, target, stream, conc)
+
+
+def pooled(raw: Raw, target: str, stream: bool, conc: int) -> Result:
+    n, cpu = len(raw.lat), raw.user + raw.system
+    return Result(target, "sse64" if stream else "json", conc, n, raw.errors, round(raw.seconds, 3),
+                  round(n / raw.seconds, 1) if raw.seconds else 0.0,
+                  round(pct(raw.lat, 0.5) * 1e3, 3), round(pct(raw.lat, 0.99) * 1e3, 3),
+                  round(pct(raw.ttft, 0.5) * 1e3, 3),
                   round(cpu / n * 1e3, 4) if target == "mesh" and n else None,
-                  round((s1 - s0) / cpu, 3) if target == "mesh" and cpu > 0 else None,
-                  pct([float(x) for x in client.reads], 0.5) if client.reads else None,
-                  {k: round(v / n, 1) for k, v in calls.items()} if calls is not None and n else None)
+                  round(raw.system / cpu, 3) if target == "mesh" and cpu > 0 else None,
+                  pct(raw.reads, 0.5) if raw.reads else None,
+                  {k: round(v / n, 1) for k, v in raw.calls.items()} if raw.calls is not None and n else None)
+
+
+async def rounds(targets: list[tuple[Client, str, Any, bool]], stream: bool, conc: int, seconds: float,
+                 n: int, warm: float = 1.0) -> list[Result]:
+    """Each target (client, "mesh" | "direct", process tree, count syscalls) run `n` times,
+    `seconds` each, the order reversed every other round (A B C, C B A, ...), after `warm` seconds
+    of each unmeasured: whichever ran first after a change of mode met a colder fleet (vllm, JSON,
+    c=1: vllm-router's p50 2.04 ms when it ran first, 1.67 ms after the mesh had run; the mesh's
+    1.84 and 1.82 ms after it), and `--anchors` always ran the mesh first. Latencies, CPU and
+    counts are pooled over the rounds."""
+    for client, target, tree, _ in targets if warm > 0 else ():
+        await run_one(client, target, stream, conc, warm, tree)
+    raws = [Raw() for _ in targets]
+    for r in range(n):
+        order = list(range(len(targets)))[::(-1 if r % 2 else 1)]
+        for i in order:
+            client, target, tree, count = targets[i]
+            await run_one(client, target, stream, conc, seconds, tree, count_syscalls=count, raw=raws[i])
+    return [pooled(raw, t[1], stream, conc) for raw, t in zip(raws, targets)]
 
 
 async def main(a: argparse.Namespace) -> list[Result]:
@@ -265,8 +305,9 @@ async def main(a: argparse.Namespace) -> list[Result]:
         async with aiohttp.ClientSession(connector=conn) as s:
             for size in a.prompt_bytes:   # long prompts: JSON, one request at a time, each size in turn
                 client = Client(s, url, prefills, decodes, prompt_bytes=size)
-                for target in ("direct", "mesh"):
-                    r = await run_one(client, target, False, 1, a.seconds, tree)
+                both = await rounds([(client, "direct", tree, False), (client, "mesh", tree, False)], False, 1,
+                                    a.seconds / a.rounds, a.rounds, a.warm)
+                for target, r in zip(("direct", "mesh"), both):
                     r.mode = f"json {size}B"
                     results.append(r)
                     print(f"prompt {size:8} B {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  errors {r.errors}"
@@ -282,8 +323,9 @@ async def main(a: argparse.Namespace) -> list[Result]:
             client = Client(s, url, prefills, decodes)
             for stream in (False, True):
                 for conc in a.concurrency:
-                    for target in ("direct", "mesh"):
-                        r = await run_one(client, target, stream, conc, a.seconds, tree)
+                    both = await rounds([(client, "direct", tree, False), (client, "mesh", tree, False)], stream, conc,
+                                        a.seconds / a.rounds, a.rounds, a.warm)
+                    for target, r in zip(("direct", "mesh"), both):
                         results.append(r)
                         print(f"{r.mode:5} c={conc:<3} {target:6} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  "
                               f"p99 {r.p99_ms:7.2f} ms  ttft {r.ttft_p50_ms:7.2f} ms  errors {r.errors}"
@@ -356,7 +398,9 @@ def summary(results: list[Result]) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=5.0, help="per target and (mode, concurrency), over all rounds")
+    ap.add_argument("--rounds", type=int, default=2, help="runs per target, in alternating order (see `rounds`)")
+    ap.add_argument("--warm", type=float, default=1.0, help="seconds each target runs unmeasured before the rounds")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)

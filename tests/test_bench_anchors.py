@@ -72,3 +72,51 @@ async def test_direct_baseline_runs_both_legs_in_each_dialect(dialect: str) -> N
         assert {w.id: w.in_flight for w in workers if w.in_flight} == {}
     finally:
         await fleet.close()
+
+
+async def test_rounds_alternate_the_order_and_pool_every_round() -> None:
+    """`bench.overhead.rounds`: unmeasured warm runs first, then A B, B A (no target always first
+    after the fleet changed mode); each target's requests, errors and CPU pooled over its rounds."""
+    import asyncio
+
+    from bench.overhead import rounds
+
+    log: list[str] = []
+
+    class Fake:
+        filler, reads = "", []
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def _one(self, stream: bool) -> tuple[float, float]:
+            if not log or log[-1] != self.name:
+                log.append(self.name)
+            await asyncio.sleep(0.002)
+            return 0.002, 0.001
+
+        via_mesh = direct = _one
+
+    class Tree:
+        def __init__(self) -> None:
+            self.t = 0.0
+
+        def cpu_times(self) -> tuple[float, float]:
+            self.t += 0.5
+            return self.t, self.t
+
+        def procs(self) -> list[object]:
+            return []
+
+    a, b = Fake("a"), Fake("b")
+    out = await rounds([(a, "mesh", Tree(), False), (b, "direct", Tree(), False)],  # type: ignore[list-item]
+                       False, 1, 0.05, 2, warm=0.02)
+    # warm a, b; round 1 a, b; round 2 b, a (the log merges b's two runs in a row; in a fixed order
+    # it would read a, b, a, b, a, b)
+    assert log == ["a", "b", "a", "b", "a"]
+    ra, rb = out
+    assert ra.target == "mesh" and rb.target == "direct"
+    assert ra.requests > 10 and rb.requests > 10 and ra.errors == rb.errors == 0
+    # two measured rounds of the mesh's tree: 2 x (0.5 user + 0.5 system) seconds over its requests
+    assert ra.mesh_cpu_ms_per_req == round(2000 / ra.requests, 4) and rb.mesh_cpu_ms_per_req is None
+    assert 0.1 <= ra.seconds < 0.2
