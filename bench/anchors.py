@@ -12,6 +12,8 @@ would otherwise run, in one run, against the zero-cost mock fleet speaking each 
 The routers are installed by this script into `.venv-anchors` (a bench-only venv, pinned; the
 project never imports them). Every proxy runs pinned to the last core, the fleet and this client
 on the others; a proxy's CPU is its process tree's user + system time over the requests it served.
+The targets of a dialect run in rounds of alternating order after a warm run each
+(`bench.overhead.rounds`), so none always meets the fleet first.
 Every answer is checked: 16 tokens for JSON, 64 for SSE, each once (`check_tokens`). Policies:
 round_robin for prefill and decode everywhere (the proxies' cost, not their policies', is measured).
 Exits 1 when the mesh is above sglang-router at c >= 16 (JSON or SSE), as issue 20 asks.
