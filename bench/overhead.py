@@ -160,20 +160,25 @@ class Client:
                 kv = orjson.loads(await r.read())["kv_transfer_params"]
             db = {**body, "kv_transfer_params": kv if self.dialect == "vllm" else handoff_for_decode(kv)}
         got = []
-        async with self.s.post(d + "/v1/completions", data=orjson.dumps(db), headers=json_h) as r:
-            if r.status != 200:
-                raise RuntimeError(f"decode answered {r.status}")
-            first = await r.content.readany()
-            ttft = time.perf_counter() - t0
-            got.append(first)
-            reads = 0
-            while first:
-                reads += 1
+        try:
+            async with self.s.post(d + "/v1/completions", data=orjson.dumps(db), headers=json_h) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"decode answered {r.status}")
                 first = await r.content.readany()
-                if self.check:
-                    got.append(first)
-            if stream:
-                self.reads.append(reads)
+                ttft = time.perf_counter() - t0
+                got.append(first)
+                reads = 0
+                while first:
+                    reads += 1
+                    first = await r.content.readany()
+                    if self.check:
+                        got.append(first)
+                if stream:
+                    self.reads.append(reads)
+        except BaseException:
+            if pre is not None:   # the decode failed: its prefill leg goes too
+                pre.cancel()
+            raise
         if pre is not None:
             await pre
         if self.check:
