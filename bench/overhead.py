@@ -99,10 +99,16 @@ class Client:
     async def via_mesh(self, stream: bool) -> tuple[float, float]:
         t0 = time.perf_counter()
         body = self.body(stream)
-        async with self.s.post(self.mesh + "/v1/completions", data=orjson.dumps(body),
+        ttft = await self._answer(self.mesh, body, stream, t0, "mesh")
+        return time.perf_counter() - t0, ttft
+
+    async def _answer(self, url: str, body: dict[str, Any], stream: bool, t0: float, who: str) -> float:
+        """POST `body` to `url`, read the answer whole; counts the SSE stream's reads and, with
+        `check`, its tokens. Returns the time to its first bytes since `t0`."""
+        async with self.s.post(url + "/v1/completions", data=orjson.dumps(body),
                                headers={"Content-Type": "application/json"}) as r:
             if r.status != 200:
-                raise RuntimeError(f"mesh answered {r.status}")
+                raise RuntimeError(f"{who} answered {r.status}")
             first = await r.content.readany()
             ttft = time.perf_counter() - t0
             got = [first]
@@ -118,7 +124,7 @@ class Client:
             from bench.anchors import check_tokens
 
             check_tokens(b"".join(got), stream, body["max_tokens"])
-        return time.perf_counter() - t0, ttft
+        return ttft
 
     async def direct(self, stream: bool) -> tuple[float, float]:
         """The PD request without a proxy: this client runs both legs in the fleet's dialect, as
@@ -159,32 +165,14 @@ class Client:
             async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb), headers=json_h) as r:
                 kv = orjson.loads(await r.read())["kv_transfer_params"]
             db = {**body, "kv_transfer_params": kv if self.dialect == "vllm" else handoff_for_decode(kv)}
-        got = []
         try:
-            async with self.s.post(d + "/v1/completions", data=orjson.dumps(db), headers=json_h) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"decode answered {r.status}")
-                first = await r.content.readany()
-                ttft = time.perf_counter() - t0
-                got.append(first)
-                reads = 0
-                while first:
-                    reads += 1
-                    first = await r.content.readany()
-                    if self.check:
-                        got.append(first)
-                if stream:
-                    self.reads.append(reads)
+            ttft = await self._answer(d, db, stream, t0, "decode")
         except BaseException:
             if pre is not None:   # the decode failed: its prefill leg goes too
                 pre.cancel()
             raise
         if pre is not None:
             await pre
-        if self.check:
-            from bench.anchors import check_tokens
-
-            check_tokens(b"".join(got), stream, body["max_tokens"])
         return time.perf_counter() - t0, ttft
 
 
