@@ -289,10 +289,11 @@ async def test_16_concurrent_mixed_requests(vllm_pair, mesh):
         assert_same(f"{name} concurrent stream={s}", g, w)
 
 
-async def wait_metric(url: str, name: str, want: float, timeout: float) -> None:
+async def wait_metric(url: str, name: str, want: float, timeout: float, at_most: bool = False) -> None:
+    """Until the gauge reads `want` (`at_most`: `want` or less)."""
     deadline = time.monotonic() + timeout
-    while (v := await metric(url, name)) != want:
-        assert time.monotonic() < deadline, f"{name} at {url} is {v}, wanted {want}"
+    while (v := await metric(url, name)) != want and not (at_most and v < want):
+        assert time.monotonic() < deadline, f"{name} at {url} is {v}, wanted {'<= ' if at_most else ''}{want}"
         await asyncio.sleep(0.5)
 
 
@@ -319,7 +320,10 @@ async def test_clients_that_leave_free_everything(vllm_pair, mesh):
             pass
     for url in (p, d):
         await wait_metric(url, "vllm:num_requests_running", 0, 60)
-    await wait_metric(p, "vllm:kv_cache_usage_perc", base, 45)   # within the 30 s lease
+    # within the 30 s lease; back to where it started or below: `base` can still count blocks of
+    # the test before, released during this one (CI of 2026-12-06: 0.0049 at the start, 0.0 at
+    # the end); a leak shows as above it
+    await wait_metric(p, "vllm:kv_cache_usage_perc", base, 45, at_most=True)
 
 
 async def test_mesh_serve_and_register_with_etcd_drain_waits_for_the_running_request(vllm_pair, etcd, tmp_path):
