@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q
 
-.PHONY: run test bench clean venv sysdeps sysdeps-run vllm-venv
+.PHONY: run test bench clean venv sysdeps sysdeps-run vllm-venv disk
 
 # Debian packages the tests need: a real etcd server, libibverbs1 for Mooncake, chromium for the
 # dashboard test, openssl for the etcd TLS test's certificates. Installed only when missing (CI runs as root; elsewhere sudo is used when present).
@@ -67,9 +67,27 @@ vllm-venv: $(VLLM_STAMP)
 run: sysdeps-run $(VENV)/.stamp-run
 	$(BIN)/mesh demo
 
+# Free disk, before the installs: the two venvs take ~6.5 GB beside the clone, and a run writes
+# up to TEST_TMP_MIB more under $TMPDIR (etcd WALs, checkpoints, vLLM's compile cache). Short of
+# it the suite fails in ways that do not say why (the CI of 4ac7006: tmp_path errors from test 146
+# on, with 6.2 GB free), so it stops here and says so.
+TEST_TMP_MIB := 3072
+disk:
+	@tmp="$${TMPDIR:-/tmp}"; need=$(TEST_TMP_MIB); venvs=0; \
+	[ -x $(BIN)/python ] && [ -f $(VLLM_STAMP) ] || venvs=6656; \
+	fs() { df -Pk "$$1" | awk 'NR==2 {print $$1, int($$4 / 1024)}'; }; \
+	set -- $$(fs "$$tmp") $$(fs .); \
+	if [ "$$1" = "$$3" ]; then need=$$((need + venvs)); else \
+		[ "$$4" -ge "$$venvs" ] || { echo "make test: only $$4 MiB free here; the venvs need about $$venvs MiB" >&2; exit 1; }; fi; \
+	echo "disk: $$2 MiB free under $$tmp, $$need MiB needed"; \
+	if [ "$$2" -lt "$$need" ]; then \
+		echo "make test: only $$2 MiB free under $$tmp; the suite (and the venvs, on the same disk) need about $$need MiB (df -h $$tmp)" >&2; \
+		exit 1; \
+	fi
+
 # the type checker first (pyproject's [tool.mypy]: strict on contract/, mesh/, policies/; every
 # function typed in workers/), then the suite (tests/test_import_rules.py holds who imports whom)
-test: sysdeps $(VENV)/.stamp-test $(VLLM_STAMP)
+test: sysdeps disk $(VENV)/.stamp-test $(VLLM_STAMP)
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q
 

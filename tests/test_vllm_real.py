@@ -281,12 +281,21 @@ async def test_n_in_pd_and_in_regular_mode(vllm_pair, mesh, regular):
 
 
 async def test_16_concurrent_mixed_requests(vllm_pair, mesh):
-    alone, through = client(vllm_pair["prefill"], KEY), client(mesh)
+    p, d = vllm_pair["prefill"], vllm_pair["decode"]
+    alone, through = client(p, KEY), client(mesh)
     jobs = [(CASES[i % len(CASES)], i % 2 == 1) for i in range(16)]
     wants = [await call(alone, k, a, s) for (_, k, a, _), s in jobs]
+    base = {url: await metric(url, "vllm:kv_cache_usage_perc") for url in (p, d)}
+    pulls = await metric(d, "vllm:nixl_xfer_time_seconds_count")
     gots = await asyncio.gather(*(call(through, k, a, s) for (_, k, a, _), s in jobs))
     for ((name, *_), s), g, w in zip(jobs, gots, wants):
         assert_same(f"{name} concurrent stream={s}", g, w)
+    # the decode pulled every prompt's KV (a decode that prefilled again would answer the same)
+    assert await metric(d, "vllm:nixl_xfer_time_seconds_count") - pulls == sum(n for (*_, n), _ in jobs)
+    # every block of the 16 comes back: the prefill's once each decode has pulled and released it
+    for url in (p, d):
+        await wait_metric(url, "vllm:num_requests_running", 0, 60)
+        await wait_metric(url, "vllm:kv_cache_usage_perc", base[url], 45, at_most=True)
 
 
 async def wait_metric(url: str, name: str, want: float, timeout: float, at_most: bool = False) -> None:
