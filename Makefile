@@ -73,7 +73,7 @@ run: sysdeps-run $(VENV)/.stamp-run
 # on, with 6.2 GB free), so it stops here and says so.
 TEST_TMP_MIB := 3072
 disk:
-	@tmp="$${TMPDIR:-/tmp}"; need=$(TEST_TMP_MIB); venvs=0; \
+	@tmp="$${TMPDIR:-/tmp}"; [ -d "$$tmp" ] || tmp=/tmp; need=$(TEST_TMP_MIB); venvs=0; \
 	[ -x $(BIN)/python ] && [ -f $(VLLM_STAMP) ] || venvs=6656; \
 	fs() { df -Pk "$$1" | awk 'NR==2 {print $$1, int($$4 / 1024)}'; }; \
 	set -- $$(fs "$$tmp") $$(fs .); \
