@@ -17,6 +17,13 @@ The targets of a dialect run in rounds of alternating order after a warm run eac
 Every answer is checked: 16 tokens for JSON, 64 for SSE, each once (`check_tokens`). Policies:
 round_robin for prefill and decode everywhere (the proxies' cost, not their policies', is measured).
 Exits 1 when the mesh is above sglang-router at c >= 16 (JSON or SSE), as issue 20 asks.
+
+`--prompt-bytes 1000,220000,1000000` with `--anchors`: long prompts instead, JSON at c=1 for each
+size through every proxy and direct (the fleet's pools sized for the largest), so the mesh's CPU per
+long-prompt request stands beside the Rust routers' on the same fleet, in the same run. (At c=1 a
+request's CPU includes waking from idle: a 1 kB request that the fleet holds ~20 ms costs the mesh
+about twice one it answers at once: `bench/overhead.py --prompt-bytes 1000 --fleet-args
+"--prefill-ms-per-token 0.018"` beside the same without `--fleet-args`, 1.06 against 0.55 ms.)
 """
 
 from __future__ import annotations
@@ -169,8 +176,9 @@ async def run(a: argparse.Namespace) -> int:
         print("(perf stat cannot count system calls here: the proxies' reads, writes and wake-ups are not shown)")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for dialect, router in (("sglang", "sglang-router"), ("vllm", "vllm-router"), ("atom", None)):
+            blocks = ["--num-blocks", str(max(4096, 8 * max(a.prompt_bytes) // 16))] if a.prompt_bytes else []
             fleet, lines = start([*MESH, "mock-fleet", "--dialect", dialect, "--prefill", str(a.prefill),
-                                  "--decode", str(a.decode), *a.fleet_args.split()], "ready")
+                                  "--decode", str(a.decode), *blocks, *a.fleet_args.split()], "ready")
             pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
             dec = [x.split()[1] for x in lines if x.startswith("decode ")]
             Tree(fleet.pid).pin(rest)
@@ -185,29 +193,33 @@ async def run(a: argparse.Namespace) -> int:
                     await wait_serving(s, url, p)
                     Tree(p.pid).pin(proxy_core)
                 named = [*procs, (f"direct ({dialect})", None, "")]
-                targets = []
-                for name, p, url in named:
-                    client = Client(s, url, pre, dec)
-                    client.check = True
-                    client.dialect = dialect
-                    targets.append((client, "direct" if p is None else "mesh",
-                                    Tree(p.pid) if p is not None else Tree(os.getpid()), count and p is not None))
-                for stream in (False, True):
-                    for conc in a.concurrency:
-                        results = await rounds(targets, stream, conc, a.seconds / a.rounds, a.rounds, a.warm)
-                        for (name, p, _), r in zip(named, results):
-                            row = {"dialect": dialect, "proxy": name, "mode": r.mode, "c": conc, "rps": r.rps,
-                                   "p50_ms": r.p50_ms, "errors": r.errors, "requests": r.requests,
-                                   "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None,
-                                   "client_reads_per_stream": r.reads_per_stream, "syscalls_per_req": r.syscalls_per_req}
-                            rows.append(row)
-                            cpu = f"  cpu {row['cpu_ms_per_req']:.3f} ms/req" if row["cpu_ms_per_req"] else ""
-                            sc = r.syscalls_per_req
-                            calls = (f"  reads {sc['reads']:.1f} writes {sc['writes']:.1f} wake-ups {sc['waits']:.1f}"
-                                     if sc else "")
-                            got = f"  client reads/stream {r.reads_per_stream:.0f}" if r.reads_per_stream else ""
-                            print(f"{dialect:6} {name:14} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  "
-                                  f"p50 {r.p50_ms:7.2f} ms  errors {r.errors}{cpu}{calls}{got}", flush=True)
+                # (stream, concurrency, prompt bytes) in turn; `--prompt-bytes`: JSON at c=1 for each size
+                runs = ([(False, 1, size) for size in a.prompt_bytes] if a.prompt_bytes else
+                        [(stream, conc, 0) for stream in (False, True) for conc in a.concurrency])
+                for stream, conc, size in runs:
+                    targets = []
+                    for name, p, url in named:
+                        client = Client(s, url, pre, dec, prompt_bytes=size)
+                        client.check = True
+                        client.dialect = dialect
+                        targets.append((client, "direct" if p is None else "mesh",
+                                        Tree(p.pid) if p is not None else Tree(os.getpid()), count and p is not None))
+                    results = await rounds(targets, stream, conc, a.seconds / a.rounds, a.rounds, a.warm)
+                    for (name, p, _), r in zip(named, results):
+                        if size:
+                            r.mode = f"json{size}B"
+                        row = {"dialect": dialect, "proxy": name, "mode": r.mode, "c": conc, "rps": r.rps,
+                               "p50_ms": r.p50_ms, "errors": r.errors, "requests": r.requests,
+                               "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None,
+                               "client_reads_per_stream": r.reads_per_stream, "syscalls_per_req": r.syscalls_per_req}
+                        rows.append(row)
+                        cpu = f"  cpu {row['cpu_ms_per_req']:.3f} ms/req" if row["cpu_ms_per_req"] else ""
+                        sc = r.syscalls_per_req
+                        calls = (f"  reads {sc['reads']:.1f} writes {sc['writes']:.1f} wake-ups {sc['waits']:.1f}"
+                                 if sc else "")
+                        got = f"  client reads/stream {r.reads_per_stream:.0f}" if r.reads_per_stream else ""
+                        print(f"{dialect:6} {name:14} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  "
+                              f"p50 {r.p50_ms:7.2f} ms  errors {r.errors}{cpu}{calls}{got}", flush=True)
             finally:
                 for _, p, _ in procs:
                     p.terminate()
@@ -221,7 +233,8 @@ def report(rows: list[dict[str, Any]]) -> int:
     by = {(r["proxy"], r["mode"], r["c"]): r for r in rows}
     print("\nCPU ms per PD request (proxy pinned to its own core), the mesh's ratio to each router:")
     bad = []
-    for mode in ("json", "sse64"):
+    modes = list(dict.fromkeys(r["mode"] for r in rows))   # json, sse64; or json<bytes>B (`--prompt-bytes`)
+    for mode in modes:
         for c in sorted({r["c"] for r in rows}):
             cells = []
             for mesh, router in (("mesh (sglang)", "sglang-router"), ("mesh (vllm)", "vllm-router")):
@@ -230,14 +243,15 @@ def report(rows: list[dict[str, Any]]) -> int:
                     ratio = m["cpu_ms_per_req"] / x["cpu_ms_per_req"]
                     cells.append(f"{mesh} {m['cpu_ms_per_req']:.3f} vs {router} {x['cpu_ms_per_req']:.3f} "
                                  f"(x{ratio:.2f})")
-                    if router == "sglang-router" and c >= 16 and ratio > 1:
+                    if router == "sglang-router" and c >= 16 and mode in ("json", "sse64") and ratio > 1:
                         bad.append(f"{mode} c={c} x{ratio:.2f}")
             atom = by.get(("mesh (atom)", mode, c))
             if atom:
                 cells.append(f"mesh (atom) {atom['cpu_ms_per_req']:.3f}")
-            print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
+            if cells:
+                print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
     print("\np50 added over the direct baseline of the same dialect (this client runs both legs itself):")
-    for mode in ("json", "sse64"):
+    for mode in modes:
         for c in sorted({r["c"] for r in rows}):
             cells = []
             for dialect, names in (("sglang", ("mesh (sglang)", "sglang-router")),
@@ -247,7 +261,8 @@ def report(rows: list[dict[str, Any]]) -> int:
                     x = by.get((name, mode, c))
                     if d and x:
                         cells.append(f"{name} {x['p50_ms'] - d['p50_ms']:+.3f} ms")
-            print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
+            if cells:
+                print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
     errors = sum(r["errors"] for r in rows)
     print(f"errors (wrong token counts included): {errors}")
     out = ROOT / "bench" / "results" / f"anchors-{time.strftime('%Y%m%d-%H%M%S')}.json"

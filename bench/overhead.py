@@ -9,6 +9,7 @@ process's own CPU time per request; writes JSON under bench/results/.
     .venv/bin/python bench/overhead.py [--seconds 5] [--concurrency 1,16,64] [--mesh-tree DIR]
     .venv/bin/python bench/overhead.py --prompt-bytes 1000,220000,1000000   # long prompts
     .venv/bin/python bench/overhead.py --anchors --seconds 4   # beside sglang-router and vllm-router
+    .venv/bin/python bench/overhead.py --anchors --prompt-bytes 1000,220000,1000000   # long prompts, beside them
     .venv/bin/python bench/overhead.py --rss-minutes 10        # the mesh's RSS at its highest rate
 
 Before/after a change, in one run on one machine: check the old commit out in a worktree and let
@@ -404,7 +405,8 @@ if __name__ == "__main__":
     ap.add_argument("--mesh-tree", help="run `mesh serve` and `mesh mock-fleet` from this source tree (a worktree "
                     "of another commit) instead of this one")
     ap.add_argument("--prompt-bytes", default="", help="long prompts instead: these sizes in bytes (e.g. "
-                    "1000,220000,1000000), JSON at concurrency 1, the mesh's CPU per request and per kB")
+                    "1000,220000,1000000), JSON at concurrency 1, the mesh's CPU per request and per kB "
+                    "(with --anchors: beside the routers)")
     ap.add_argument("--anchors", action="store_true", help="instead: the mesh beside sglang-router and vllm-router "
                     "(installed into .venv-anchors) and the direct baseline, each in its dialect (bench/anchors.py)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each of its runs: "

