@@ -219,17 +219,23 @@ def test_lift_block_ids_takes_only_clean_compact_arrays(data, ids):
     assert got.valid() and got.count == len(want)
 
 
-async def test_block_ids_the_decode_refuses_as_json_are_the_prefills_fault(recorded, http):
-    """Block ids passed on unparsed that are not JSON (an empty element): the decode refuses the
-    body (400), the mesh answers 502 naming the prefill's remote_block_ids, releases the transfer
-    and counts the prefill's garbage, as when the whole parse finds it before the decode leg."""
-    rec, url, _ = recorded
+async def _refused_block_ids(rec: Recorder, url: str, http) -> None:
+    """The prefill answers block ids with an empty element (`[4,,6]`, lifted unparsed): the mesh
+    answers 502 naming the prefill's remote_block_ids, after both legs were sent."""
     rec.ids_json = b"[4,,6]"
     async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
         assert r.status == 502
         err = (await r.json())["error"]
     assert "remote_block_ids" in err["message"] and "prefill" in err["message"]
     assert [p for p, _, _ in rec.seen] == ["prefill/v1/completions", "decode/v1/completions"]
+
+
+async def test_block_ids_the_decode_refuses_as_json_are_the_prefills_fault(recorded, http):
+    """Block ids passed on unparsed that are not JSON (an empty element): the decode refuses the
+    body (400), the mesh answers 502 naming the prefill's remote_block_ids, releases the transfer
+    and counts the prefill's garbage, as when the whole parse finds it before the decode leg."""
+    rec, url, _ = recorded
+    await _refused_block_ids(rec, url, http)
     for _ in range(100):
         if rec.released:
             break
@@ -265,12 +271,7 @@ async def test_vllm_block_ids_the_decode_refuses_as_json_are_the_prefills_fault(
     and the mesh answers 502 naming the prefill's remote_block_ids, as when the whole parse finds
     it before the decode leg."""
     rec, url, _ = recorded_vllm
-    rec.ids_json = b"[4,,6]"
-    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
-        assert r.status == 502
-        err = (await r.json())["error"]
-    assert "remote_block_ids" in err["message"] and "prefill" in err["message"]
-    assert [p for p, _, _ in rec.seen] == ["prefill/v1/completions", "decode/v1/completions"]
+    await _refused_block_ids(rec, url, http)
     rec.ids_json = None
     async with http.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
         assert r.status == 200
