@@ -142,7 +142,7 @@ def start_router(bindir: Path, kind: str, prefills: list[str],
 
 
 def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: list[str],
-               tmp: Path) -> tuple[subprocess.Popen[str], str]:
+               tmp: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
     from bench.procs import start
 
     toml = tmp / f"mesh-{dialect}.toml"
@@ -157,7 +157,7 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
                   f'dialect = "{dialect}"']
     toml.write_text("\n".join(lines) + "\n")
     p, out = start([*mesh_cmd, "--log-level", "WARNING", "serve", "--port", "0", "--config", str(toml),
-                    "--prefill-policy", "round_robin", "--decode-policy", "round_robin"], "mesh ")
+                    "--prefill-policy", "round_robin", "--decode-policy", "round_robin", *extra], "mesh ")
     return p, out[-1].split()[1]
 
 

@@ -44,7 +44,7 @@ async def run(a: argparse.Namespace) -> int:
     pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
     dec = [x.split()[1] for x in lines if x.startswith("decode ")]
     Tree(fleet.pid).pin(rest)
-    mp, url = start_mesh(MESH, a.dialect, pre, dec, tmp)
+    mp, url = start_mesh(MESH, a.dialect, pre, dec, tmp, tuple(a.mesh_args.split()))
     errors = 0
     count = Syscalls.available()
     try:
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16", help="comma-separated, e.g. 1,16,64")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--mesh-tree", help="run the mesh and the mock fleet from this source tree")
+    ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--pace-us 0'")
     ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
                     "'--decode-ms-per-token 0.5' (tokens paced: one upstream read each)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each run")

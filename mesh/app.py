@@ -38,6 +38,7 @@ from mesh.h1server import FastClient, FastServer
 from mesh.ledger import Ledger
 from mesh.metrics import Metrics
 from mesh.openapi import document as _openapi_document
+from mesh.pacer import Pacer
 from mesh.proxy import Background, Proxy
 from mesh.reconcile import Reconciler
 from mesh.request import check_request_id, parse
@@ -77,6 +78,7 @@ class MeshState:
     admission: Admission
     upstream: Upstream
     proxy: Proxy
+    pacer: Pacer
     fast: FastServer | None = None   # the hot routes' server, once `start_site` serves the app
 
 
@@ -367,7 +369,8 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                        lambda: ledger.gauge_rows(), lambda: fleet.kv_unaccounted.items())
     mesh_id = mesh_id or cfg.mesh_id or (f"mesh-{socket.gethostname()}-{cfg.port}" if cfg.port
                                          else f"mesh-{os.urandom(4).hex()}")
-    upstream = Upstream(fleet, metrics_, cfg.timeouts)
+    pacer = Pacer(cfg.pace_us / 1e6)
+    upstream = Upstream(fleet, metrics_, cfg.timeouts, pacer)
     ledger = Ledger(mesh_id, fleet, metrics_, grace_s=cfg.ledger_grace)
     reconciler = Reconciler(ledger, fleet, upstream, interval_s=cfg.ledger_interval)
     background = Background()
@@ -375,7 +378,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
     proxy = Proxy(cfg, fleet, upstream, metrics_, policies, background, mesh_id, ledger, reconciler, tracing)
     st = MeshState(cfg=cfg, mesh_id=mesh_id, fleet=fleet, metrics=metrics_, policies=policies,
                    background=background, started_at=time.time(), ledger=ledger, reconciler=reconciler,
-                   admission=Admission(cfg.admission), upstream=upstream, proxy=proxy)
+                   admission=Admission(cfg.admission), upstream=upstream, proxy=proxy, pacer=pacer)
     app = web.Application(middlewares=[errors_middleware, admin_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[STATE] = st
@@ -442,7 +445,7 @@ async def start_site(app: web.Application, host: str, port: int, keepalive_timeo
         def handler(kind: str, client: FastClient) -> Awaitable[Any]:
             return generate(st, kind, client)
 
-        fast = FastServer(handler, runner.server, keepalive_timeout, st.cfg.limits.max_body_bytes)
+        fast = FastServer(handler, runner.server, keepalive_timeout, st.cfg.limits.max_body_bytes, st.pacer)
         st.fast = fast
         site = _FastSite(runner, fast, host, port, reuse_port, 1024)
     else:

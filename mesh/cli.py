@@ -88,7 +88,8 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
                                       max_queue=pick(a.max_queue, "max_queue", 256),
                                       queue_timeout=pick(a.queue_timeout, "queue_timeout", 5.0),
                                       per_key_concurrency=pick(a.per_key_concurrency, "per_key_concurrency", 0)),
-            api_keys=api_keys(a), forward_client_auth=a.forward_client_auth or m.get("forward_client_auth", False))
+            api_keys=api_keys(a), forward_client_auth=a.forward_client_auth or m.get("forward_client_auth", False),
+            pace_us=pick(a.pace_us, "pace_us", 250))
     except TypeError as e:
         raise ConfigError(f"[mesh]: {e}") from None
 
@@ -287,6 +288,9 @@ def add_commands(sub: Subcommands) -> None:
                    help="pass the client's Authorization header on to workers that have no upstream key of their own")
     s.add_argument("--no-first-token-early", action="store_true",
                    help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
+    s.add_argument("--pace-us", type=int, help="with 4 or more requests in flight and reads coming closer than "
+                   "this, the loop polls at most once per this many microseconds: fewer, fuller wake-ups "
+                   "(default 250; 0: off)")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "

@@ -87,6 +87,7 @@ class MeshConfig:
     admission: AdmissionConfig = AdmissionConfig()
     api_keys: tuple[str, ...] = ()             # set: /v1/* needs `Authorization: Bearer <one of them>`
     forward_client_auth: bool = False          # pass the client's Authorization on to workers without a key of their own
+    pace_us: int = 250                         # under load the loop polls at most this often (mesh.pacer); 0: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -105,6 +106,8 @@ class MeshConfig:
             raise ConfigError("with etcd the workers come from the registry: drop the worker flags")
         if self.ledger_grace <= 0 or self.ledger_interval <= 0 or self.kv_leak_after <= 0:
             raise ConfigError("ledger_grace, ledger_interval and kv_leak_after must be > 0")
+        if isinstance(self.pace_us, bool) or not isinstance(self.pace_us, int) or not 0 <= self.pace_us <= 10_000:
+            raise ConfigError(f"pace_us must be an integer in 0..10000 (0: off), got {self.pace_us!r}")
         if any(len(k) < 16 for k in self.api_keys):
             raise ConfigError("api keys must be at least 16 characters")
         if self.admin_token is not None and len(self.admin_token) < 16:

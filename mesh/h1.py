@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any, Callable
 
 from contract.snapshot import split_url
+from mesh.pacer import Pacer, no_note
 
 MAX_HEAD = 64 * 1024
 HIGH_WATER = 1 << 20
@@ -38,6 +39,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.resp: H1Response | None = None
         self.idle_since = 0.0   # when it went back to the pool
+        self.note = pool.note
+        self.read_at = 0.0      # the last read of a relayed stream (`mesh.pacer`)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (type: ignore below) asyncio types a Protocol's transport as BaseTransport; a stream connection's is a Transport
@@ -46,6 +49,8 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         resp = self.resp
         if resp is not None:
+            if resp._sink is not None:
+                self.note(self)   # a read of a relayed stream (`mesh.pacer`)
             if resp._framed is not None:
                 resp._feed_framed(data)   # a relay's whole chunks, as they came
             else:
@@ -545,7 +550,9 @@ class H1Pool:
     one the server is closing at that instant dies with a reset, whatever it was. Staying under the
     shortest such timeout, the mesh never sends on a connection the server may be closing."""
 
-    def __init__(self, *, connect_timeout: float = 3.0, max_idle_per_host: int = 512, idle_s: float = IDLE_S) -> None:
+    def __init__(self, *, connect_timeout: float = 3.0, max_idle_per_host: int = 512, idle_s: float = IDLE_S,
+                 pacer: Pacer | None = None) -> None:
+        self.note = pacer.note if pacer is not None else no_note   # on every read of a relayed stream (`mesh.pacer`)
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle_per_host
         self.idle_s = idle_s

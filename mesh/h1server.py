@@ -34,6 +34,7 @@ from http import HTTPStatus
 from typing import Any, Awaitable, Callable
 
 from contract.errors import PayloadTooLarge, error_body
+from mesh.pacer import Pacer
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +349,8 @@ class Conn(asyncio.Protocol):
         self.task = self.loop.create_task(self._run(kind, req))
 
     async def _run(self, kind: str, req: FastClient) -> None:
+        pacer = self.srv.pacer
+        pacer.active += 1
         try:
             ans = await self.srv.handler(kind, req)
         except asyncio.CancelledError:
@@ -359,6 +362,8 @@ class Conn(asyncio.Protocol):
                             {"Content-Type": "application/json"}, False)
             else:
                 ans = None
+        finally:
+            pacer.active -= 1
         t = self.transport
         if t is None or self.closing:
             return
@@ -433,11 +438,12 @@ class Conn(asyncio.Protocol):
 
 class FastServer:
     """The protocol factory: `Conn`s for the hot routes, aiohttp's protocol (`aiohttp`, a factory)
-    for what they hand over."""
+    for what they hand over. `pacer` (`mesh.pacer`): counts the requests in flight."""
 
     def __init__(self, handler: Handler, aiohttp: Callable[[], asyncio.Protocol], keepalive_s: float,
-                 max_body: int) -> None:
+                 max_body: int, pacer: Pacer | None = None) -> None:
         self.handler = handler
+        self.pacer = pacer if pacer is not None else Pacer(0.0)
         self.aiohttp = aiohttp
         self.keepalive_s = keepalive_s
         self.max_body = max_body

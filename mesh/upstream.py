@@ -31,6 +31,7 @@ from mesh.fleet import Fleet
 from mesh.flows import Bootstrap, bootstrap_addr, lift_block_ids, parse_bootstrap, place_block_ids
 from mesh.h1 import IDLE_S, H1Error, H1Pool, H1Response
 from mesh.metrics import Metrics
+from mesh.pacer import Pacer
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 BOOTSTRAP_TTL = 5.0  # seconds a prefill's engine ids are trusted before being read again
@@ -184,12 +185,12 @@ class Leg:
 class Upstream:
     """Built once by `create_app`; `start()` (in the app's cleanup_ctx) opens the pooled session."""
 
-    def __init__(self, fleet: Fleet, metrics: Metrics, timeouts: Timeouts) -> None:
+    def __init__(self, fleet: Fleet, metrics: Metrics, timeouts: Timeouts, pacer: Pacer | None = None) -> None:
         self._session: aiohttp.ClientSession | None = None
         self.fleet = fleet
         self.metrics = metrics
         self.timeouts = timeouts
-        self.h1 = H1Pool(connect_timeout=timeouts.connect)  # the hot legs
+        self.h1 = H1Pool(connect_timeout=timeouts.connect, pacer=pacer)  # the hot legs
         # connect bound by aiohttp; whole-call bounds by asyncio.timeout around the call
         self.short = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
         self._bootstrap: dict[str, tuple[float, Bootstrap]] = {}

@@ -1,0 +1,199 @@
+"""Event-loop pacing under load (`mesh.pacer`): while enough requests are in flight and reads come
+densely, the loop polls at most once a period, so one read gathers what arrived meanwhile; it never
+starts with few requests in flight, never sleeps once a period is spent anyway, stops when reads
+thin out, and a mesh that paces answers exactly as one that does not."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from contract.errors import ConfigError
+from mesh.cli import build_config, parser
+from mesh.config import MeshConfig
+from mesh.pacer import MIN_ACTIVE, Pacer, no_note
+from workers.fake import MockTiming
+from workers.mock import FleetSpec
+
+
+class _Reader(asyncio.Protocol):
+    """A relayed stream's socket, as the mesh's `h1` pool reads one: every read tells the pacer."""
+
+    def __init__(self, pacer: Pacer) -> None:
+        self.pacer, self.reads, self.bytes, self.read_at = pacer, 0, 0, 0.0
+
+    def data_received(self, data: bytes) -> None:
+        self.pacer.note(self)
+        self.reads += 1
+        self.bytes += len(data)
+
+
+def _drip(sock: socket.socket, n: int, gap_s: float, done: threading.Event, delay_s: float = 0.0) -> None:
+    """`n` one-byte writes, `gap_s` apart, from another thread (an upstream streaming events)."""
+    time.sleep(delay_s)
+    try:
+        for _ in range(n):
+            sock.send(b"x")
+            time.sleep(gap_s)
+    finally:
+        done.set()
+
+
+async def _stream(pacer: Pacer, n: int = 300, gap_s: float = 0.0002, delay_s: float = 0.0) -> _Reader:
+    """`n` dripped bytes read through `pacer` on this loop (the first after `delay_s`)."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    reader = _Reader(pacer)
+    transport, _ = await loop.connect_accepted_socket(lambda: reader, a)
+    done = threading.Event()
+    th = threading.Thread(target=_drip, args=(b, n, gap_s, done, delay_s), daemon=True)
+    th.start()
+    try:
+        while reader.bytes < n:
+            await asyncio.sleep(0.005)
+    finally:
+        th.join(10)
+        transport.close()
+        b.close()
+    return reader
+
+
+async def _dense() -> None:
+    pacer = Pacer(0.002)
+    pacer.active = MIN_ACTIVE
+    n, gap = 300, 0.0002          # ~60 ms of one-byte events, one every 0.2 ms (plus sleep slack)
+    t0 = time.monotonic()
+    reader = await _stream(pacer, n, gap)
+    took = time.monotonic() - t0
+    assert reader.bytes == n                      # nothing lost
+    assert pacer.starts >= 1 and pacer.naps > 0
+    # at most about one read per 2 ms period (and the read that started pacing): without pacing
+    # this reader takes a read per byte or nearly
+    assert reader.reads <= took / 0.002 + 5, (reader.reads, took)
+    assert reader.reads < n / 3
+
+
+async def test_dense_reads_under_load_are_gathered_a_period_at_a_time():
+    await _dense()
+
+
+def test_dense_reads_are_gathered_on_uvloop_too():
+    """The mesh serves on uvloop, which runs a tick after the poll's reads (asyncio: before)."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        r.run(_dense())
+
+
+async def test_reads_thin_out_and_the_loop_blocks_again():
+    pacer = Pacer(0.002)
+    pacer.active = MIN_ACTIVE
+    await _stream(pacer, 200, 0.0002)
+    await asyncio.sleep(0.02)                      # ten periods without a read
+    assert not pacer.on
+    naps = pacer.naps
+    await asyncio.sleep(0.05)
+    assert pacer.naps == naps                      # idle: no pacing, no sleeps
+
+
+async def test_few_requests_in_flight_never_pace():
+    pacer = Pacer(0.002)
+    pacer.active = MIN_ACTIVE - 1
+    reader = await _stream(pacer, 200, 0.0002)
+    assert pacer.starts == 0 and pacer.naps == 0
+    assert reader.bytes == 200
+
+
+async def test_steady_streams_never_pace_however_many():
+    """Eight streams, each an event every 10 ms (an engine's tokens), staggered: together a read
+    every ~1.25 ms, often two within a period, but no stream faster than the period. Pacing
+    them would gather nothing per stream; it never starts."""
+    pacer = Pacer(0.002)
+    pacer.active = MIN_ACTIVE
+    readers = await asyncio.gather(*(_stream(pacer, 12, 0.010, delay_s=i * 0.00125) for i in range(8)))
+    assert pacer.starts == 0 and pacer.naps == 0
+    assert [r.bytes for r in readers] == [12] * 8
+
+
+async def test_a_period_already_spent_is_not_slept():
+    """The tick's arithmetic: an iteration that outlasted the period (a saturated loop) sleeps
+    nothing; one that did not sleeps out the rest, and the next period starts where it ends."""
+    pacer = Pacer(0.002)
+    pacer.active = MIN_ACTIVE
+    pacer.loop = asyncio.get_running_loop()
+    pacer.on, pacer.seen, pacer.due = True, 1, time.monotonic() - 0.001
+    pacer._tick()
+    assert pacer.naps == 0 and pacer.slept == 0
+    assert pacer.due - time.monotonic() > 0.0015       # the next period starts now
+    pacer.seen = 1
+    t0 = time.monotonic()
+    pacer._tick()                                      # the rest of the period: slept
+    assert pacer.naps == 1 and 0.001 < pacer.slept <= 0.002
+    assert time.monotonic() - t0 >= pacer.slept
+    pacer.active = 0                                   # the next tick (queued) ends it
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not pacer.on
+
+
+def test_period_zero_is_off():
+    pacer = Pacer(0.0)
+    assert pacer.note is no_note
+    with pytest.raises(ValueError):
+        Pacer(-0.001)
+
+
+@pytest.mark.parametrize("value", [-1, 10_001, True, 2.5, "250"])
+def test_pace_us_out_of_range_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="pace_us"):
+        MeshConfig(pace_us=value)
+
+
+def test_pace_us_flag():
+    p = parser()
+    a = p.parse_args(["serve", "--decode", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2",
+                      "--pace-us", "0"])
+    assert build_config(a).pace_us == 0
+    a = p.parse_args(["serve", "--decode", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2"])
+    assert build_config(a).pace_us == 250
+
+
+@pytest.mark.parametrize("dialect", ["atom", "sglang"])
+async def test_a_pacing_mesh_answers_as_one_that_does_not(make_pd, dialect):
+    """Concurrent 64-token streams through a mesh that paces and one that does not: the same text
+    from both, every stream whole, every block back. (The mock decode, on this loop, writes an
+    event every 0.2 ms or as soon after as the loop comes round, ~1.5 ms: a stream faster than the
+    period.)"""
+    spec = FleetSpec(prefill=1, decode=1, dialect=dialect, seed=7, timing=MockTiming(decode_ms_per_token=0.2))
+    paced = await make_pd(spec, pace_us=5000)   # longer than this crowded loop takes to come round
+    plain = await make_pd(spec, pace_us=0)
+
+    async def streams(url: str) -> list[str]:
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        async def one(i: int) -> str:
+            out = []
+            s = await c.completions.create(model="mock-model", prompt=f"prompt {i} " * 20, max_tokens=64,
+                                           stream=True)
+            async for ch in s:
+                out.append(ch.choices[0].text)
+            return "".join(out)
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(2 * MIN_ACTIVE))))
+        finally:
+            await c.close()
+
+    got = await streams(paced.url)
+    assert paced.state.pacer.starts >= 1 and paced.state.pacer.naps > 0   # it did pace
+    assert plain.state.pacer.note is no_note
+    assert got == await streams(plain.url)
+    assert all(t for t in got)
+    assert paced.state.pacer.active == 0 and plain.state.pacer.active == 0
+    assert await paced.wait_released() == 0 and await plain.wait_released() == 0
