@@ -369,7 +369,7 @@ def create_app(cfg: MeshConfig, registry: Registry | None = None, mesh_id: str |
                        lambda: ledger.gauge_rows(), lambda: fleet.kv_unaccounted.items())
     mesh_id = mesh_id or cfg.mesh_id or (f"mesh-{socket.gethostname()}-{cfg.port}" if cfg.port
                                          else f"mesh-{os.urandom(4).hex()}")
-    pacer = Pacer(cfg.pace_us / 1e6)
+    pacer = metrics_.pacer = Pacer(cfg.pace_us / 1e6)
     upstream = Upstream(fleet, metrics_, cfg.timeouts, pacer)
     ledger = Ledger(mesh_id, fleet, metrics_, grace_s=cfg.ledger_grace)
     reconciler = Reconciler(ledger, fleet, upstream, interval_s=cfg.ledger_interval)

@@ -182,6 +182,11 @@ class Metrics:
                                "a release API), by outcome", ["outcome"], registry=r)
         self._unreclaimable = Counter("atomesh_kv_unreclaimable", "Orphaned transfers the mesh could not free",
                                       ["pipeline"], registry=r)
+        self._paced = Counter("atomesh_loop_paced_periods", "Periods the loop slept out while pacing bursty "
+                              "streams (mesh serve --pace-us)", registry=r)
+        self._paced_s = Counter("atomesh_loop_paced_seconds", "Seconds the loop slept while pacing", registry=r)
+        self.pacer: Any = None               # a mesh.pacer.Pacer: its sleeps are folded in at `flush`
+        self._pacer_seen = (0, 0.0)
         self.exposed = r                     # what /metrics renders
         self._mirrors: dict[str, Gauge] = {}
         self._mirrored: dict[str, set[tuple[str, ...]]] = {}
@@ -197,6 +202,12 @@ class Metrics:
         files): on every read of the registry, and from `sync_live`."""
         for t in self._cache.values():
             t.fold()
+        p = self.pacer
+        if p is not None and p.naps != self._pacer_seen[0]:
+            n, slept = p.naps, p.slept
+            self._paced.inc(n - self._pacer_seen[0])
+            self._paced_s.inc(slept - self._pacer_seen[1])
+            self._pacer_seen = (n, slept)
 
     def sync_live(self) -> None:
         """Multiprocess mode: this process's live gauges into the shared files (see the docstring),

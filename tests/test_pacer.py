@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 
+import aiohttp
 import openai
 import pytest
 
@@ -196,4 +197,9 @@ async def test_a_pacing_mesh_answers_as_one_that_does_not(make_pd, dialect):
     assert got == await streams(plain.url)
     assert all(t for t in got)
     assert paced.state.pacer.active == 0 and plain.state.pacer.active == 0
+    async with aiohttp.ClientSession() as http:   # an operator sees it pace
+        async with http.get(paced.url + "/metrics") as r:
+            text = await r.text()
+    naps = [ln for ln in text.splitlines() if ln.startswith("atomesh_loop_paced_periods_total ")]
+    assert naps and float(naps[0].split()[1]) == paced.state.pacer.naps
     assert await paced.wait_released() == 0 and await plain.wait_released() == 0
