@@ -17,9 +17,11 @@ periods in a row without such a read, or fewer than `MIN_ACTIVE` requests in fli
 the loop blocks in `epoll_wait` again, as it does when pacing is off.
 
 What it does not do: streams whose events come farther apart than a period (an engine's tokens,
-milliseconds apart) never start it, however many there are: pacing them would only trade a
-blocking `epoll_wait` per read for a sleep and a poll per period (measured: ~20% more CPU per
-request at 5 ms a token, 64 streams; docs/benchmarks.md). At one or a few requests in flight it
+milliseconds apart) do not start it, however many there are: pacing them would only trade a
+blocking `epoll_wait` per read for a sleep and a poll per period (a first version that paced on
+any two reads cost ~20% more CPU per request at 5 ms a token, 64 streams; docs/benchmarks.md).
+Such streams start it only on their own bursts (a last event and the stream's end within a
+period), for a couple of periods. At one or a few requests in flight it
 never starts, so an idle mesh's latency is untouched.
 
 Cost: while pacing, a read waits at most one period (plus the kernel's timer slack, ~50 us) before
