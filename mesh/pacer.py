@@ -100,8 +100,8 @@ class Pacer:
         if rest > 0:
             time.sleep(rest)
             self.naps += 1
-            self.slept += rest
-            now = self.due
+            self.slept += time.monotonic() - now   # as slept: the kernel's timer slack included
+            now = self.due                          # (the cadence keeps to the periods)
         self.due = now + self.period
         assert self.loop is not None   # set when pacing started
         self.loop.call_soon(self._tick)
