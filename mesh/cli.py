@@ -288,9 +288,9 @@ def add_commands(sub: Subcommands) -> None:
                    help="pass the client's Authorization header on to workers that have no upstream key of their own")
     s.add_argument("--no-first-token-early", action="store_true",
                    help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
-    s.add_argument("--pace-us", type=int, help="with 4 or more requests in flight and reads coming closer than "
-                   "this, the loop polls at most once per this many microseconds: fewer, fuller wake-ups "
-                   "(default 250; 0: off)")
+    s.add_argument("--pace-us", type=int, help="with 4 or more requests in flight and a relayed stream read twice "
+                   "within this many microseconds, the loop polls at most once per period: its events come in "
+                   "one read and one write (default 250; 0: off)")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "
