@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mesh.pacer import Pacer
+
 # live gauges summed over a multiprocess mesh's processes (the rest: their maximum)
 _SUMMED = {"atomesh_worker_in_flight", "atomesh_kv_held_transfers", "atomesh_kv_held_blocks",
            "atomesh_registry_watch_restarts"}
@@ -185,7 +187,7 @@ class Metrics:
         self._paced = Counter("atomesh_loop_paced_periods", "Periods the loop slept out while pacing bursty "
                               "streams (mesh serve --pace-us)", registry=r)
         self._paced_s = Counter("atomesh_loop_paced_seconds", "Seconds the loop slept while pacing", registry=r)
-        self.pacer: Any = None               # a mesh.pacer.Pacer: its sleeps are folded in at `flush`
+        self.pacer: Pacer | None = None      # its sleeps are folded in at `flush`
         self._pacer_seen = (0, 0.0)
         self.exposed = r                     # what /metrics renders
         self._mirrors: dict[str, Gauge] = {}
