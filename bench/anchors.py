@@ -162,7 +162,7 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
 
 
 async def run(a: argparse.Namespace) -> int:
-    from bench.overhead import Client, rounds
+    from bench.overhead import Client, paired, rounds
     from bench.procs import MESH, Syscalls, start
 
     bindir = ensure_routers()
@@ -220,6 +220,22 @@ async def run(a: argparse.Namespace) -> int:
                         got = f"  client reads/stream {r.reads_per_stream:.0f}" if r.reads_per_stream else ""
                         print(f"{dialect:6} {name:14} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  "
                               f"p50 {r.p50_ms:7.2f} ms  errors {r.errors}{cpu}{calls}{got}", flush=True)
+                    if conc == 1 and not size and a.paired_seconds > 0:
+                        # the added latency, paired: direct first (the baseline), then each proxy
+                        order = [len(named) - 1, *range(len(named) - 1)]
+                        pairs = await paired([(targets[i][0], targets[i][1]) for i in order], stream,
+                                             a.paired_seconds)
+                        mode = "sse64" if stream else "json"
+                        for i, res in zip(order, pairs):
+                            name = named[i][0]
+                            next(x for x in rows if x["proxy"] == name and x["mode"] == mode and x["c"] == 1)[
+                                "paired"] = res
+                            if i == order[0]:
+                                continue
+                            print(f"{dialect:6} {name:14} {mode:5} c=1   paired: p50 {res['p50_ms']:.3f} ms beside "
+                                  f"direct {res['base_p50_ms']:.3f} ms, added {res['added_p50_ms']:+.3f} ms "
+                                  f"(median of differences {res['median_diff_ms']:+.3f}), {res['requests']} turns, "
+                                  f"errors {res['errors']}", flush=True)
             finally:
                 for _, p, _ in procs:
                     p.terminate()
@@ -263,7 +279,14 @@ def report(rows: list[dict[str, Any]]) -> int:
                         cells.append(f"{name} {x['p50_ms'] - d['p50_ms']:+.3f} ms")
             if cells:
                 print(f"  {mode:5} c={c:<3} " + " | ".join(cells))
-    errors = sum(r["errors"] for r in rows)
+    paired = [r for r in rows if r.get("paired") and not r["proxy"].startswith("direct")]
+    if paired:
+        print("\np50 added at c=1, paired (each proxy's requests in turn with direct ones, `overhead.paired`):")
+        for r in paired:
+            x = r["paired"]
+            print(f"  {r['mode']:5} {r['proxy']:14} {x['added_p50_ms']:+.3f} ms (p50 {x['p50_ms']:.3f} beside "
+                  f"{x['base_p50_ms']:.3f}; median of differences {x['median_diff_ms']:+.3f}; {x['requests']} turns)")
+    errors = sum(r["errors"] + (r["paired"]["errors"] if r.get("paired") else 0) for r in rows)
     print(f"errors (wrong token counts included): {errors}")
     out = ROOT / "bench" / "results" / f"anchors-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(orjson.dumps({"pins": PINS, "rows": rows}, option=orjson.OPT_INDENT_2).decode())

@@ -275,6 +275,47 @@ async def rounds(targets: list[tuple[Client, str, Any, bool]], stream: bool, con
     return [pooled(raw, t[1], stream, conc) for raw, t in zip(raws, targets)]
 
 
+async def paired(targets: list[tuple[Client, str]], stream: bool, seconds: float) -> list[dict[str, Any]]:
+    """Added latency at c=1, paired: one request to each target in turn (the order rotated each
+    turn, so each is first equally often), for `seconds`, after a turn unmeasured; the first
+    target is the baseline (direct). Separate runs per target (`rounds`) compare p50s taken
+    seconds apart, and this machine drifts by more than the difference between them (added p50 at
+    c=1 read -0.20 to +0.30 ms for one router in three runs); here every request of a target has
+    a baseline request beside it, in the same second. For each target: its p50, the p50 of the
+    baseline over the same turns, and the median of the per-turn differences. Errors are counted;
+    a turn with an error is dropped for every target."""
+    n = len(targets)
+    for client, target in targets:
+        await (client.via_mesh if target == "mesh" else client.direct)(stream)
+    lat: list[list[float]] = [[] for _ in targets]
+    errors = [0] * n
+    stop_at = time.perf_counter() + seconds
+    turn = 0
+    while time.perf_counter() < stop_at:
+        got: list[float | None] = [None] * n
+        for k in range(n):
+            i = (turn + k) % n
+            client, target = targets[i]
+            try:
+                got[i] = (await (client.via_mesh if target == "mesh" else client.direct)(stream))[0]
+            except Exception:  # noqa: BLE001 - counted, the run goes on
+                errors[i] += 1
+        turn += 1
+        if all(x is not None for x in got):
+            for i in range(n):
+                lat[i].append(got[i])  # type: ignore[arg-type]  # checked just above
+    base = lat[0]
+    out = []
+    for i in range(n):
+        diffs = [x - b for x, b in zip(lat[i], base)]
+        out.append({"requests": len(lat[i]), "errors": errors[i],
+                    "p50_ms": round(pct(lat[i], 0.5) * 1e3, 3) if lat[i] else None,
+                    "base_p50_ms": round(pct(base, 0.5) * 1e3, 3) if base else None,
+                    "added_p50_ms": round((pct(lat[i], 0.5) - pct(base, 0.5)) * 1e3, 3) if base else None,
+                    "median_diff_ms": round(pct(diffs, 0.5) * 1e3, 3) if diffs else None})
+    return out
+
+
 async def main(a: argparse.Namespace) -> list[Result]:
     blocks = ["--num-blocks", str(max(4096, 8 * max(a.prompt_bytes or [0]) // 16))]
     fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode), *blocks,
@@ -409,6 +450,8 @@ if __name__ == "__main__":
                     "(with --anchors: beside the routers)")
     ap.add_argument("--anchors", action="store_true", help="instead: the mesh beside sglang-router and vllm-router "
                     "(installed into .venv-anchors) and the direct baseline, each in its dialect (bench/anchors.py)")
+    ap.add_argument("--paired-seconds", type=float, default=4.0, help="with --anchors: after the c=1 runs, this "
+                    "long of requests to each proxy in turn with direct ones, for the added p50 (0: none)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each of its runs: "
                     "raw stacks to DIR/spy-<mode>-c<concurrency>.txt")
     ap.add_argument("--rss-minutes", type=float, default=0.0, help="instead: the mesh at its highest rate for this "

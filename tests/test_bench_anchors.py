@@ -120,3 +120,44 @@ async def test_rounds_alternate_the_order_and_pool_every_round() -> None:
     # two measured rounds of the mesh's tree: 2 x (0.5 user + 0.5 system) seconds over its requests
     assert ra.mesh_cpu_ms_per_req == round(2000 / ra.requests, 4) and rb.mesh_cpu_ms_per_req is None
     assert 0.1 <= ra.seconds < 0.2
+
+
+async def test_paired_rotates_the_order_and_pairs_each_turn() -> None:
+    """`bench.overhead.paired`: one request per target each turn, the first target rotated so each
+    leads equally often; the added p50 and the median of per-turn differences are read against the
+    first target (the baseline); a turn where any target failed is dropped for all, its error counted."""
+    from bench.overhead import paired
+
+    order: list[str] = []
+    calls = {"b": 0}
+
+    class Fake:
+        def __init__(self, name: str, ms: float) -> None:
+            self.name, self.ms = name, ms
+
+        async def _one(self, stream: bool) -> tuple[float, float]:
+            order.append(self.name)
+            if self.name == "b":
+                calls["b"] += 1
+                if calls["b"] == 3:   # the warm-up is call 1: turn 2 fails
+                    raise RuntimeError("b failed")
+            return self.ms / 1e3, 0.0
+
+        via_mesh = direct = _one
+
+    base, a, b = Fake("base", 1.0), Fake("a", 1.5), Fake("b", 0.75)
+    out = await paired([(base, "direct"), (a, "mesh"), (b, "mesh")], False, 0.0)   # type: ignore[list-item]
+    assert order == ["base", "a", "b"] and out[0]["requests"] == 0   # the warm-up turn only: nothing measured
+    order.clear()
+    calls["b"] = 0
+    out = await paired([(base, "direct"), (a, "mesh"), (b, "mesh")], False, 0.02)   # type: ignore[list-item]
+    turns = [order[i:i + 3] for i in range(3, len(order), 3)]   # after the warm-up turn
+    assert turns[0] == ["base", "a", "b"] and turns[1] == ["a", "b", "base"] and turns[2] == ["b", "base", "a"]
+    assert len(turns) >= 6
+    dropped = 1
+    assert [x["requests"] for x in out] == [len(turns) - dropped] * 3
+    assert [x["errors"] for x in out] == [0, 0, 1]
+    assert out[0]["added_p50_ms"] == 0.0 and out[0]["median_diff_ms"] == 0.0
+    assert out[1]["added_p50_ms"] == 0.5 and out[1]["median_diff_ms"] == 0.5
+    assert out[2]["added_p50_ms"] == -0.25 and out[2]["median_diff_ms"] == -0.25
+    assert out[1]["base_p50_ms"] == 1.0 and out[2]["p50_ms"] == 0.75
