@@ -252,6 +252,11 @@ class Fleet:
                 log.error("worker %s: %d KV blocks unaccounted for %.0fs (free %d + held %d + running %d of %d): "
                           "leak alarm, out of routing", w.id, off, now - since, load.free_blocks, load.held_blocks,
                           load.running_blocks, load.num_blocks)
+                self.kv_unaccounted[w.id] = off
+                # out of routing in the same step as the alarm goes up, not when the probe round
+                # ends: /ready and /workers must never show the alarm with the worker still routable
+                self._healthy.discard(w.id)
+                self.rebuild()
             self.kv_unaccounted[w.id] = off
 
     async def run_probes(self, session: aiohttp.ClientSession, interval: float) -> None:

@@ -37,3 +37,46 @@ async def test_a_slow_probe_counts_only_when_the_worker_is_idle():
             assert not fleet.healthy("d0")
     finally:
         await runner.cleanup()
+
+
+async def test_the_leak_alarm_and_the_routing_change_are_one_step():
+    """A census that stays off raises the leak alarm; whoever reads the alarm (`/ready`, `/workers`)
+    must already see the worker out of routing, even while another worker's probe of the same round
+    is still in flight (CI once read the alarm with the pipeline still routable)."""
+    delay = {"d0": 0.0}
+
+    def handler(wid: str, body: dict):
+        async def h(request: web.Request) -> web.Response:
+            await asyncio.sleep(delay.get(wid, 0.0))
+            return web.json_response(body)
+        return h
+
+    census_off = {"in_flight": 0, "free_blocks": 5, "num_blocks": 8, "held_blocks": 0, "running_blocks": 0,
+                  "capabilities": ["load_v1"]}
+    fine = {"in_flight": 0, "capabilities": ["load_v1"]}
+    runners, ws = [], []
+    for wid, role, body in (("p0", "prefill", census_off), ("d0", "decode", fine)):
+        app = web.Application()
+        app.router.add_get("/load", handler(wid, body))
+        runners.append(await start_site(app, "127.0.0.1", 0))
+        ws.append(make_worker(role, {"url": f"http://127.0.0.1:{bound_port(runners[-1])}", "model": "m",
+                                     "id": wid, "capabilities": ["load_v1"]}, 0))
+    fleet = Fleet(StaticRegistry(tuple(ws)), kv_leak_after=0.05)
+    fleet.on_membership()
+    try:
+        async with aiohttp.ClientSession() as s:
+            await fleet.probe_all(s, timeout=2)          # the census is off from here on
+            assert fleet.table.candidates("prefill", "m") and not fleet.kv_unaccounted
+            await asyncio.sleep(0.1)
+            delay["d0"] = 1.0                            # the decode's probe outlasts the alarm
+            round_ = asyncio.create_task(fleet.probe_all(s, timeout=2))
+            while not fleet.kv_unaccounted:
+                await asyncio.sleep(0.005)
+            assert not round_.done()
+            assert fleet.kv_unaccounted == {"p0": 3}
+            assert not fleet.table.candidates("prefill", "m") and not fleet.healthy("p0")
+            await round_
+            assert not fleet.table.candidates("prefill", "m")
+    finally:
+        for r in runners:
+            await r.cleanup()
