@@ -248,16 +248,16 @@ class Fleet:
             return
         since = self._unaccounted_since.setdefault(w.id, now)
         if now - since >= self.kv_leak_after:
-            if w.id not in self.kv_unaccounted:
+            raised = w.id not in self.kv_unaccounted
+            self.kv_unaccounted[w.id] = off
+            if raised:
                 log.error("worker %s: %d KV blocks unaccounted for %.0fs (free %d + held %d + running %d of %d): "
                           "leak alarm, out of routing", w.id, off, now - since, load.free_blocks, load.held_blocks,
                           load.running_blocks, load.num_blocks)
-                self.kv_unaccounted[w.id] = off
                 # out of routing in the same step as the alarm goes up, not when the probe round
                 # ends: /ready and /workers must never show the alarm with the worker still routable
                 self._healthy.discard(w.id)
                 self.rebuild()
-            self.kv_unaccounted[w.id] = off
 
     async def run_probes(self, session: aiohttp.ClientSession, interval: float) -> None:
         while True:
