@@ -161,7 +161,8 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
     return p, out[-1].split()[1]
 
 
-async def run(a: argparse.Namespace) -> int:
+async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
+    """`idle`: what idle CPUs did during the run (`bench.procs.cpu_idle`), for the results file."""
     from bench.overhead import Client, paired, rounds
     from bench.procs import MESH, Syscalls, start
 
@@ -242,10 +243,10 @@ async def run(a: argparse.Namespace) -> int:
                     p.wait(15)
                 fleet.terminate()
                 fleet.wait(15)
-    return report(rows)
+    return report(rows, idle)
 
 
-def report(rows: list[dict[str, Any]]) -> int:
+def report(rows: list[dict[str, Any]], idle: dict[str, Any] | None = None) -> int:
     by = {(r["proxy"], r["mode"], r["c"]): r for r in rows}
     print("\nCPU ms per PD request (proxy pinned to its own core), the mesh's ratio to each router:")
     bad = []
@@ -289,7 +290,7 @@ def report(rows: list[dict[str, Any]]) -> int:
     errors = sum(r["errors"] + (r["paired"]["errors"] if r.get("paired") else 0) for r in rows)
     print(f"errors (wrong token counts included): {errors}")
     out = ROOT / "bench" / "results" / f"anchors-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(orjson.dumps({"pins": PINS, "rows": rows}, option=orjson.OPT_INDENT_2).decode())
+    out.write_text(orjson.dumps({"pins": PINS, "cpu_idle": idle, "rows": rows}, option=orjson.OPT_INDENT_2).decode())
     print(f"wrote {out}")
     if bad:
         print("the mesh is above sglang-router at: " + ", ".join(bad))

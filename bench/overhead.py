@@ -11,6 +11,7 @@ process's own CPU time per request; writes JSON under bench/results/.
     .venv/bin/python bench/overhead.py --anchors --seconds 4   # beside sglang-router and vllm-router
     .venv/bin/python bench/overhead.py --anchors --prompt-bytes 1000,220000,1000000   # long prompts, beside them
     .venv/bin/python bench/overhead.py --rss-minutes 10        # the mesh's RSS at its highest rate
+    sudo .venv/bin/python bench/overhead.py --anchors --awake  # the CPUs kept out of halting (bench.procs.CpuAwake)
 
 Before/after a change, in one run on one machine: check the old commit out in a worktree and let
 this same script start the mesh and the mock fleet from each tree in turn (alternate a few rounds:
@@ -454,6 +455,9 @@ if __name__ == "__main__":
                     "long of requests to each proxy in turn with direct ones, for the added p50 (0: none)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each of its runs: "
                     "raw stacks to DIR/spy-<mode>-c<concurrency>.txt")
+    ap.add_argument("--awake", action="store_true", help="hold the CPUs out of their halting idle state for the "
+                    "whole run (a PM QoS request of 0 us, as tuned's latency-performance profile makes; needs root): "
+                    "on a VM whose idle vCPU halts, the work after each halt runs slower (bench/idle_penalty.py)")
     ap.add_argument("--rss-minutes", type=float, default=0.0, help="instead: the mesh at its highest rate for this "
                     "many minutes, its RSS sampled (growth after the first minute)")
     args = ap.parse_args()
@@ -469,10 +473,17 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
+    from bench.procs import CpuAwake, cpu_idle
+
+    awake = CpuAwake() if args.awake else None   # held until this process exits (its file closes)
+    if awake is not None and not awake.__enter__().held:
+        sys.exit(f"--awake: cannot hold the CPUs out of halting: {awake.why}")
+    idle = {**cpu_idle(), "held_awake": args.awake}
+    print(f"idle CPUs: {'kept polling (PM QoS 0 us)' if args.awake else 'as configured'} {idle}", flush=True)
     if args.anchors:
         from bench.anchors import run as run_anchors
 
-        sys.exit(asyncio.run(run_anchors(args)))
+        sys.exit(asyncio.run(run_anchors(args, idle)))
     res = asyncio.run(main(args))
     if args.rss_minutes:
         sys.exit(0)
@@ -483,6 +494,6 @@ if __name__ == "__main__":
               f"added p50 {s['added_p50_ms']:+.3f} ms  rps ratio {s['rps_ratio_mesh_over_direct']}")
     out = ROOT / "bench" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "host": os.uname().nodename,
-                               "cpus": os.cpu_count(), "results": [asdict(r) for r in res],
+                               "cpus": os.cpu_count(), "cpu_idle": idle, "results": [asdict(r) for r in res],
                                "summary": summ}, indent=2))
     print(f"wrote {out}")

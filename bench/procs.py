@@ -106,3 +106,64 @@ class Syscalls:
                 if name in names:
                     counts[g] += int(parts[0])
         return counts
+
+
+class CpuAwake:
+    """Hold the CPUs out of their halting idle state while a benchmark runs: a PM QoS request of 0 us
+    CPU latency (`/dev/cpu_dma_latency`, held open), the request `tuned`'s latency-performance
+    profile and `cyclictest` make. An idle CPU then polls instead of halting.
+
+    Why a benchmark may want it: on this KVM guest (cpuidle driver `haltpoll` with
+    `guest_halt_poll_ns` 0) an idle vCPU halts at once, and the work it does after a halt runs
+    2-5x slower than the same work back to back (`bench/idle_penalty.py`). A proxy at low load
+    halts between every event, so its CPU per request and its added latency then measure the
+    halts as much as its own code. The polling is idle time: it is no process's CPU time.
+
+    Needs write access to the device (root). `held` says whether the request is in force; `why`,
+    where it is not, says why."""
+
+    DEVICE = "/dev/cpu_dma_latency"
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.held = False
+        self.why = ""
+
+    def __enter__(self) -> "CpuAwake":
+        import struct
+
+        try:
+            self.fd = os.open(self.DEVICE, os.O_WRONLY)
+            os.write(self.fd, struct.pack("i", 0))
+            self.held = True
+        except OSError as e:
+            self.why = f"{self.DEVICE}: {e.strerror or e}"
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)   # the request ends when its file is closed
+            self.fd = None
+        self.held = False
+
+
+def cpu_idle() -> dict[str, Any]:
+    """What an idle CPU does here: the cpuidle driver and governor, the guest's halt-polling window
+    (KVM's haltpoll driver), and whether a PM QoS request holds the CPUs out of halting now."""
+    base = Path("/sys/devices/system/cpu/cpuidle")
+
+    def read(p: Path) -> str | None:
+        try:
+            return p.read_text().strip()
+        except OSError:
+            return None
+
+    out: dict[str, Any] = {"driver": read(base / "current_driver"), "governor": read(base / "current_governor_ro")
+                           or read(base / "current_governor")}
+    poll = read(Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns"))
+    if poll is not None:
+        out["guest_halt_poll_ns"] = int(poll)
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
 
@@ -161,3 +163,22 @@ async def test_paired_rotates_the_order_and_pairs_each_turn() -> None:
     assert out[1]["added_p50_ms"] == 0.5 and out[1]["median_diff_ms"] == 0.5
     assert out[2]["added_p50_ms"] == -0.25 and out[2]["median_diff_ms"] == -0.25
     assert out[1]["base_p50_ms"] == 1.0 and out[2]["p50_ms"] == 0.75
+
+
+def test_cpu_awake_holds_a_zero_latency_request_and_ends_it_on_exit(tmp_path: Path) -> None:
+    """`--awake`: the PM QoS request is the int32 0 written to the device, in force while the file is
+    open; a device it cannot open is said, not ignored (the run then refuses to start)."""
+    from bench.procs import CpuAwake
+
+    dev = tmp_path / "cpu_dma_latency"
+    dev.write_bytes(b"")
+    aw = CpuAwake()
+    aw.DEVICE = str(dev)
+    with aw:
+        assert aw.held and aw.fd is not None
+        assert dev.read_bytes() == (0).to_bytes(4, "little", signed=True)
+    assert not aw.held and aw.fd is None
+    missing = CpuAwake()
+    missing.DEVICE = str(tmp_path / "nowhere")
+    with missing:
+        assert not missing.held and "nowhere" in missing.why
