@@ -102,6 +102,32 @@ async def test_json_nested_too_deeply_is_a_400(make_pd, http):
         assert r.status == 400 and "nested too deeply" in (await r.json())["error"]["message"]
 
 
+def test_the_depth_check_refuses_exactly_what_the_legs_cannot_encode():
+    """`mesh.request.parse` encodes each array or object value one level down instead of the whole
+    body: at every depth around orjson's limit (and for objects and arrays alike) it refuses
+    exactly the bodies whose whole encoding fails, as a leg's would."""
+    import orjson
+
+    from contract.errors import InvalidRequest
+    from mesh.request import Limits, parse
+
+    for n in range(248, 258):
+        for inner in ("[" * n + "]" * n, '{"a":' * n + "1" + "}" * n):
+            raw = ('{"model": "m", "prompt": "x", "metadata": ' + inner + "}").encode()
+            try:
+                orjson.dumps(orjson.loads(raw))
+                whole_ok = True
+            except orjson.JSONEncodeError:
+                whole_ok = False
+            try:
+                parse("completions", raw, Limits())
+                ok = True
+            except InvalidRequest as e:
+                assert "nested too deeply" in e.message
+                ok = False
+            assert ok == whole_ok, (n, inner[:2])
+
+
 async def test_a_flood_of_malformed_requests_is_logged_once_per_peer_without_its_bytes(make_pd, http, caplog):
     """issue 16: aiohttp logged each refused request at ERROR with the bytes it choked on (headers,
     an Authorization among them). Now: one warning per peer per minute, no bytes, all counted."""
