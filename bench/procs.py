@@ -114,8 +114,9 @@ class CpuAwake:
     profile and `cyclictest` make. An idle CPU then polls instead of halting.
 
     Why a benchmark may want it: on this KVM guest (cpuidle driver `haltpoll` with
-    `guest_halt_poll_ns` 0) an idle vCPU halts at once, and the work it does after a halt runs
-    2-5x slower than the same work back to back (`bench/idle_penalty.py`). A proxy at low load
+    `guest_halt_poll_ns` 0) an idle vCPU halts at once, and the work it does after a halt of a few
+    ms runs 1.2-2.8x slower than the same work back to back (`bench/idle_penalty.py`, charged as
+    the process's CPU time). A proxy at low load
     halts between every event, so its CPU per request and its added latency then measure the
     halts as much as its own code. The polling is idle time: it is no process's CPU time.
 
@@ -151,8 +152,9 @@ class CpuAwake:
 
 
 def cpu_idle() -> dict[str, Any]:
-    """What an idle CPU does here: the cpuidle driver and governor, the guest's halt-polling window
-    (KVM's haltpoll driver), and whether a PM QoS request holds the CPUs out of halting now."""
+    """What an idle CPU does here: the cpuidle driver and governor, and the guest's halt-polling
+    window (KVM's haltpoll driver), where these exist. (Whether a PM QoS request is held cannot be
+    read back: the caller says whether it holds one.)"""
     base = Path("/sys/devices/system/cpu/cpuidle")
 
     def read(p: Path) -> str | None:
