@@ -116,9 +116,9 @@ class CpuAwake:
     Why a benchmark may want it: on this KVM guest (cpuidle driver `haltpoll` with
     `guest_halt_poll_ns` 0) an idle vCPU halts at once, and the work it does after a halt of a few
     ms runs 1.2-2.8x slower than the same work back to back (`bench/idle_penalty.py`, charged as
-    the process's CPU time). A proxy at low load
-    halts between every event, so its CPU per request and its added latency then measure the
-    halts as much as its own code. The polling is idle time: it is no process's CPU time.
+    the process's CPU time). A proxy at low load halts between every event, so its CPU per
+    request and its added latency then measure the halts as much as its own code. The polling is
+    idle time: it is no process's CPU time.
 
     Needs write access to the device (root). `held` says whether the request is in force; `why`,
     where it is not, says why."""
