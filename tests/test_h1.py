@@ -72,6 +72,24 @@ async def test_chunked_split_at_every_byte(pool):
         assert len(conns) == 1
 
 
+@pytest.mark.parametrize("cut", ["every byte", "in the head's end", "right after the head", "one read"])
+async def test_a_content_length_answer_in_any_pieces(pool, cut):
+    """The head is found in the first read itself when it is whole there (the body copied once),
+    and across reads when it is not."""
+    body = b'{"remote_block_ids":[' + b",".join(b"%d" % i for i in range(5000)) + b"]}"
+    resp = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    h = resp.index(b"\r\n\r\n")
+    pieces = {"every byte": [resp[i:i + 1] for i in range(300)] + [resp[300:]],
+              "in the head's end": [resp[:h + 2], resp[h + 2:]],
+              "right after the head": [resp[:h + 4], resp[h + 4:]], "one read": [resp]}[cut]
+    server, port, conns = await raw_server(lambda req: [*pieces])
+    async with server:
+        for _ in range(2):
+            r = await pool.post("127.0.0.1", port, "/x", b"x", {})
+            assert r.status == 200 and await r.read() == body
+        assert len(conns) == 1
+
+
 async def test_readany_streams_as_it_comes(pool):
     server, port, _ = await raw_server(lambda req: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
                                                     b"3\r\nabc\r\n", 0.1, b"2\r\nde\r\n0\r\n\r\n"])

@@ -194,3 +194,19 @@ async def test_a_prompt_longer_than_the_model_names_the_prompt(worker):
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(model=MODEL, prompt="x" * 2000, max_tokens=100)
     assert e.value.body["param"] == "max_tokens"
+
+
+async def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_prompt(worker):
+    """The range check runs once, where a request is parsed (`workers.openai_io.parse`); the engine
+    then takes the ids as checked (`Engine.add(checked=True)`): a bad id still never reaches the model."""
+    client, server = worker
+    vocab = server.engine.model_cfg.vocab_size
+    for bad in ([1, 2, vocab], [-1, 5]):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=MODEL, prompt=bad, max_tokens=2)
+        assert param_of(e.value) == "prompt" and f"[0, {vocab})" in e.value.body["message"]
+    ok = await client.completions.create(model=MODEL, prompt=[1, 2, vocab - 1], max_tokens=2)
+    assert ok.usage.prompt_tokens == 3 and ok.usage.completion_tokens == 2
+    with pytest.raises(ValueError, match="out of the vocabulary"):   # unchecked: the engine's own check
+        server.engine.add("direct", [0, vocab + 3])
+    assert "direct" not in server.engine.seqs

@@ -159,7 +159,7 @@ class PrefillServer(EngineServer):
         token's output), or an error response. Until the holder owns the blocks, a cut leg, a client
         gone or an error aborts the sequence (its blocks go back); from then on the holder lists,
         releases and expires them."""
-        q = await self.submit(tid, self.pp.add, gen.prompt, gen.params, True)
+        q = await self.submit(tid, self.add_checked, gen.prompt, gen.params, True)
         held = False
         try:
             o = await q.get()

@@ -174,6 +174,10 @@ class EngineServer:
         self._seq += 1
         return f"{prefix}-{os.urandom(4).hex()}-{self._seq}"
 
+    def add_checked(self, seq_id: str, prompt: list[int], params: Any, hold: bool = False) -> Any:
+        """`engine.add` for a prompt `workers.openai_io.parse` range-checked (every `GenRequest`'s)."""
+        return self.engine.add(seq_id, prompt, params, hold, checked=True)
+
     async def submit(self, seq_id: str, fn: Callable[..., Any], *args: Any) -> Outputs:
         """Add a sequence (engine.add / add_from_kv); its outputs arrive on the returned queue."""
         q = Outputs()
@@ -346,7 +350,7 @@ class EngineServer:
                 if j and params.seed is not None:
                     params = dataclasses.replace(params, seed=params.seed + j)
                 seq_id = self.new_id("gen")
-                choices.append(Choice(j, seq_id, await self.submit(seq_id, self.engine.add, gen.prompt, params)))
+                choices.append(Choice(j, seq_id, await self.submit(seq_id, self.add_checked, gen.prompt, params)))
         except BaseException:
             for c in choices:
                 self.queues.pop(c.seq_id, None)
