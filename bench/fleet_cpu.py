@@ -9,6 +9,7 @@ and reports the fleet process's CPU ms per request and the ratio this/before.
 
     git worktree add /tmp/before <old-commit>
     .venv/bin/python bench/fleet_cpu.py --before /tmp/before [--seconds 4] [--rounds 3]
+    .venv/bin/python bench/fleet_cpu.py --before /tmp/before --prompt-bytes 220000   # long prompts: JSON, c=1
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from bench.overhead import Client  # noqa: E402
 from bench.procs import MESH, start  # noqa: E402
 
 
-def start_fleet(tree: Path) -> tuple[Any, list[str], list[str]]:
+def start_fleet(tree: Path, prompt_bytes: int = 0) -> tuple[Any, list[str], list[str]]:
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(tree)
+    blocks = ["--num-blocks", str(max(4096, 8 * prompt_bytes // 16))]   # as bench/overhead.py sizes them
     try:
-        p, lines = start([*MESH, "mock-fleet", "--prefill", "1", "--decode", "1"], "ready")
+        p, lines = start([*MESH, "mock-fleet", "--prefill", "1", "--decode", "1", *blocks], "ready")
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)
@@ -67,7 +69,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     trees = {"this": ROOT}
     if a.before:
         trees["before"] = Path(a.before).resolve()
-    fleets = {k: start_fleet(t) for k, t in trees.items()}
+    fleets = {k: start_fleet(t, a.prompt_bytes) for k, t in trees.items()}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:  # the fleets on one core, this client on another: less noise between them
         for p, _, _ in fleets.values():
@@ -77,12 +79,12 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             for r in range(a.rounds):
-                for stream in (False, True):
-                    for conc in a.concurrency:
+                for stream in (False,) if a.prompt_bytes else (False, True):
+                    for conc in (1,) if a.prompt_bytes else a.concurrency:
                         for name, (p, pre, dec) in fleets.items():
-                            n, ms = await drive(Client(s, "", pre, dec), stream, conc, a.seconds,
-                                                psutil.Process(p.pid))
-                            mode = "sse64" if stream else "json"
+                            n, ms = await drive(Client(s, "", pre, dec, prompt_bytes=a.prompt_bytes), stream, conc,
+                                                a.seconds, psutil.Process(p.pid))
+                            mode = f"json {a.prompt_bytes}B" if a.prompt_bytes else "sse64" if stream else "json"
                             cpu.setdefault((mode, name, conc), []).append(ms)
                             print(f"round {r} {mode:5} c={conc:<3} {name:6} {n:6d} req  fleet cpu {ms:.3f} ms/req",
                                   flush=True)
@@ -107,6 +109,8 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--prompt-bytes", type=int, default=0,
+                    help="prompts of this many bytes, each new (bench/overhead.py's long prompts): JSON at c=1 only")
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     res = asyncio.run(main(args))
