@@ -34,7 +34,7 @@ class Client(Protocol):
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...   # the loop serving it (no lookup per call)
 
-    async def body(self, limit: int) -> bytes: ...
+    async def body(self, limit: int) -> bytes | memoryview: ...   # a view: `mesh.h1server` (no copy out of its read)
 
     def reply(self, body: bytes, status: int, headers: dict[str, str], close: bool = False) -> Any: ...
 

@@ -608,7 +608,7 @@ class H1Pool:
         if lst and conn in lst:
             lst.remove(conn)
 
-    async def post(self, host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
+    async def post(self, host: str, port: int, path: str, body: bytes | memoryview, headers: dict[str, str], *,
                    tls: bool = False, idle: float | None = None, deadline: float | None = None) -> H1Response:
         """Send a POST; return once the status line and headers arrived. `deadline` (the loop's
         clock): the connect, the head and every body wait fail with TimeoutError past it, until the

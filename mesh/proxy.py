@@ -623,8 +623,8 @@ class Proxy:
 
     # -- the streamed leg -------------------------------------------------------------------
 
-    async def _open_leg(self, role: str, w: Worker, creq: ClientRequest, data: bytes, headers: dict[str, str],
-                        retry: bool, source: Worker | None = None) -> tuple[Leg, bytes]:
+    async def _open_leg(self, role: str, w: Worker, creq: ClientRequest, data: bytes | memoryview,
+                        headers: dict[str, str], retry: bool, source: Worker | None = None) -> tuple[Leg, bytes]:
         """Open the streamed leg; with `retry`, a failure before the first byte moves it to another
         worker of the same dialect (`decode_retries` times). A KVSourceLost is never retried here:
         another decode engine would pull from the same source."""

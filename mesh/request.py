@@ -47,7 +47,9 @@ class ClientRequest:
     request_id: str
     session_key: str | None
     _prompt: str | None = field(default=None, init=False, repr=False)   # rendered once, when a policy asks
-    raw: bytes = field(default=b"", repr=False)   # the body's bytes as the client sent them (regular mode forwards them)
+    # the body's bytes as the client sent them (regular mode forwards them; a view where the fast
+    # server read them with the head, `mesh.h1server`)
+    raw: bytes | memoryview = field(default=b"", repr=False)
 
     @property
     def path(self) -> str:
@@ -158,7 +160,7 @@ def _check_messages(ms: Any) -> None:
 
 
 
-def parse(kind: Kind, raw: bytes, limits: Limits, *, request_id: str | None = None,
+def parse(kind: Kind, raw: bytes | memoryview, limits: Limits, *, request_id: str | None = None,
           session_key: str | None = None) -> ClientRequest:
     """Validate a client body. Raises InvalidRequest / PayloadTooLarge naming the field."""
     if len(raw) > limits.max_body_bytes:

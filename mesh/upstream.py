@@ -113,7 +113,7 @@ class Leg:
         """Close the worker's breaker (its call went well)."""
         self.up.fleet.succeeded(self.w.id)
 
-    async def send(self, path: str, data: bytes, headers: dict[str, str], *, first_byte: float,
+    async def send(self, path: str, data: bytes | memoryview, headers: dict[str, str], *, first_byte: float,
                    stream: bool, idle: float | None = None) -> bytes:
         """POST `data`; return the first bytes of a 2xx answer (the whole body unless `stream`).
         On any failure the leg is closed and a mapped MeshError raised."""

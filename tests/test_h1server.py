@@ -67,6 +67,28 @@ async def test_pipelined_requests_are_answered_in_order(make_pd):
     await close_writer(w)
 
 
+async def test_long_bodies_read_with_their_head_and_pipelined_after_one_another(make_pd):
+    """A body that comes in the head's read is a view of that read (not copied out of it): long
+    prompts, one right after another in one write, and a short one last, each answered for its
+    own prompt, in order; every KV block back."""
+    pd = await make_pd(FleetSpec(prefill=1, decode=1))
+    r, w = await _conn(pd)
+    sizes = [20000, 30001, 5]
+    bodies = [b'{"model": "mock-model", "prompt": "%b", "max_tokens": 2}' % (b"ab"[i % 2:i % 2 + 1] * n)
+              for i, n in enumerate(sizes)]
+    w.write(b"".join(_post(body=b, extra=b"X-Request-Id: L%d\r\n" % i) for i, b in enumerate(bodies)))
+    for i, n in enumerate(sizes):
+        head, got = await _answer(r)
+        ans = json.loads(got)
+        assert b"X-Request-Id: L%d" % i in head and ans["usage"]["prompt_tokens"] == n, (head, ans.get("usage"))
+    for n in (40000, 17):   # and on their own: each in the head's read, or after it
+        w.write(_post(body=b'{"model": "mock-model", "prompt": "%b", "max_tokens": 1}' % (b"c" * n)))
+        assert json.loads((await _answer(r))[1])["usage"]["prompt_tokens"] == n
+    assert pd.state.fast.handed == 0
+    await close_writer(w)
+    assert await pd.wait_released() == 0
+
+
 async def test_other_routes_and_odd_requests_go_to_aiohttp_on_the_same_connection(make_pd):
     pd = await make_pd(FleetSpec(prefill=1, decode=1))
     fast = pd.state.fast
