@@ -30,6 +30,8 @@ from contract.protocol import KV_PULL_HEADER, OWN_CAPABILITIES, LoadReport
 from contract.sse import Answer
 from workers.choices import Choice, _per_token
 from workers.engine.engine import Engine, StepOutput
+from workers.engine.sampling import SamplingParams
+from workers.engine.scheduler import Sequence
 from workers.faults import NO_FAULTS, Faults, cut_connection
 from workers.openai_io import GenRequest, parse
 
@@ -174,7 +176,7 @@ class EngineServer:
         self._seq += 1
         return f"{prefix}-{os.urandom(4).hex()}-{self._seq}"
 
-    def add_checked(self, seq_id: str, prompt: list[int], params: Any, hold: bool = False) -> Any:
+    def add_checked(self, seq_id: str, prompt: list[int], params: SamplingParams, hold: bool = False) -> Sequence:
         """`engine.add` for a prompt `workers.openai_io.parse` range-checked (every `GenRequest`'s)."""
         return self.engine.add(seq_id, prompt, params, hold, checked=True)
 
