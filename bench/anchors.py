@@ -164,7 +164,7 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
 async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
     """`idle`: what idle CPUs did during the run (`bench.procs.cpu_idle`), for the results file."""
     from bench.overhead import Client, paired, rounds
-    from bench.procs import MESH, Syscalls, start
+    from bench.procs import MESH, Syscalls, fleet_blocks, start
 
     bindir = ensure_routers()
     cores = sorted(os.sched_getaffinity(0))
@@ -177,7 +177,7 @@ async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
         print("(perf stat cannot count system calls here: the proxies' reads, writes and wake-ups are not shown)")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for dialect, router in (("sglang", "sglang-router"), ("vllm", "vllm-router"), ("atom", None)):
-            blocks = ["--num-blocks", str(max(4096, 8 * max(a.prompt_bytes) // 16))] if a.prompt_bytes else []
+            blocks = fleet_blocks(max(a.prompt_bytes)) if a.prompt_bytes else []
             fleet, lines = start([*MESH, "mock-fleet", "--dialect", dialect, "--prefill", str(a.prefill),
                                   "--decode", str(a.decode), *blocks, *a.fleet_args.split()], "ready")
             pre = [x.split()[1] for x in lines if x.startswith("prefill ")]

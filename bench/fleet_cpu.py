@@ -30,15 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.overhead import Client  # noqa: E402
-from bench.procs import MESH, start  # noqa: E402
+from bench.procs import MESH, fleet_blocks, start  # noqa: E402
 
 
 def start_fleet(tree: Path, prompt_bytes: int = 0) -> tuple[Any, list[str], list[str]]:
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(tree)
-    blocks = ["--num-blocks", str(max(4096, 8 * prompt_bytes // 16))]   # as bench/overhead.py sizes them
     try:
-        p, lines = start([*MESH, "mock-fleet", "--prefill", "1", "--decode", "1", *blocks], "ready")
+        p, lines = start([*MESH, "mock-fleet", "--prefill", "1", "--decode", "1", *fleet_blocks(prompt_bytes)], "ready")
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)

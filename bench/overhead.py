@@ -42,7 +42,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procs import MESH, start  # noqa: E402
+from bench.procs import MESH, fleet_blocks, start  # noqa: E402
 from contract.protocol import KVRequestParams, handoff_for_decode  # noqa: E402
 
 
@@ -318,7 +318,7 @@ async def paired(targets: list[tuple[Client, str]], stream: bool, seconds: float
 
 
 async def main(a: argparse.Namespace) -> list[Result]:
-    blocks = ["--num-blocks", str(max(4096, 8 * max(a.prompt_bytes or [0]) // 16))]
+    blocks = fleet_blocks(max(a.prompt_bytes or [0]))
     fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode), *blocks,
                           *a.fleet_args.split()], "ready")
     prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
