@@ -163,8 +163,9 @@ def start_mesh(mesh_cmd: list[str], dialect: str, prefills: list[str], decodes: 
 
 async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
     """`idle`: what idle CPUs did during the run (`bench.procs.cpu_idle`), for the results file."""
+    from bench.null_upstream import start_upstream
     from bench.overhead import Client, paired, rounds
-    from bench.procs import MESH, Syscalls, fleet_blocks, start
+    from bench.procs import MESH, Syscalls
 
     bindir = ensure_routers()
     cores = sorted(os.sched_getaffinity(0))
@@ -177,9 +178,8 @@ async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
         print("(perf stat cannot count system calls here: the proxies' reads, writes and wake-ups are not shown)")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for dialect, router in (("sglang", "sglang-router"), ("vllm", "vllm-router"), ("atom", None)):
-            blocks = fleet_blocks(max(a.prompt_bytes)) if a.prompt_bytes else []
-            fleet, lines = start([*MESH, "mock-fleet", "--dialect", dialect, "--prefill", str(a.prefill),
-                                  "--decode", str(a.decode), *blocks, *a.fleet_args.split()], "ready")
+            fleet, lines = await start_upstream(a.upstream, dialect, a.prompt_bytes or [0], a.prefill, a.decode,
+                                                a.fleet_args.split(), tmp)
             pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
             dec = [x.split()[1] for x in lines if x.startswith("decode ")]
             Tree(fleet.pid).pin(rest)
@@ -243,12 +243,14 @@ async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
                     p.wait(15)
                 fleet.terminate()
                 fleet.wait(15)
-    return report(rows, idle)
+    return report(rows, idle, a.upstream)
 
 
-def report(rows: list[dict[str, Any]], idle: dict[str, Any] | None = None) -> int:
+def report(rows: list[dict[str, Any]], idle: dict[str, Any] | None = None, upstream: str = "fleet") -> int:
     by = {(r["proxy"], r["mode"], r["c"]): r for r in rows}
-    print("\nCPU ms per PD request (proxy pinned to its own core), the mesh's ratio to each router:")
+    print("\nCPU ms per PD request (proxy pinned to its own core), the mesh's ratio to each router; upstream: "
+          + ("the mock fleet" if upstream == "fleet" else "null (the mock fleet's answers replayed, bench/null_upstream.py;"
+             " no holder API, so the mesh's atom flow is untracked)") + ":")
     bad = []
     modes = list(dict.fromkeys(r["mode"] for r in rows))   # json, sse64; or json<bytes>B (`--prompt-bytes`)
     for mode in modes:
@@ -290,7 +292,8 @@ def report(rows: list[dict[str, Any]], idle: dict[str, Any] | None = None) -> in
     errors = sum(r["errors"] + (r["paired"]["errors"] if r.get("paired") else 0) for r in rows)
     print(f"errors (wrong token counts included): {errors}")
     out = ROOT / "bench" / "results" / f"anchors-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(orjson.dumps({"pins": PINS, "cpu_idle": idle, "rows": rows}, option=orjson.OPT_INDENT_2).decode())
+    out.write_text(orjson.dumps({"pins": PINS, "cpu_idle": idle, "upstream": upstream, "rows": rows},
+                                option=orjson.OPT_INDENT_2).decode())
     print(f"wrote {out}")
     if bad:
         print("the mesh is above sglang-router at: " + ", ".join(bad))

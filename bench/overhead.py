@@ -42,7 +42,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procs import MESH, fleet_blocks, start  # noqa: E402
+from bench.procs import MESH, start  # noqa: E402
 from contract.protocol import KVRequestParams, handoff_for_decode  # noqa: E402
 
 
@@ -84,6 +84,8 @@ class Client:
         self.check = False   # read every answer whole and check its token count (bench/anchors.py)
         self.dialect = "atom"   # the fleet's, for `direct`
         self.reads: list[int] = []   # SSE: per stream, the reads that brought bytes
+        # `direct` keeps each leg's answer here (bench/null_upstream.py's capture): "prefill", "decode"
+        self.captured: dict[str, bytes] | None = None
         self.filler = "".join(chr(97 + (i * 7919) % 26) for i in range(prompt_bytes)) if prompt_bytes else ""
 
     def body(self, stream: bool) -> dict[str, Any]:
@@ -126,6 +128,8 @@ class Client:
             from bench.anchors import check_tokens
 
             check_tokens(b"".join(got), stream, body["max_tokens"])
+            if self.captured is not None and who == "decode":
+                self.captured["decode"] = b"".join(got)
         return ttft
 
     async def direct(self, stream: bool) -> tuple[float, float]:
@@ -147,9 +151,11 @@ class Client:
 
             async def prefill() -> None:
                 async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb), headers=json_h) as r:
-                    await r.read()
+                    raw = await r.read()
                     if r.status != 200:
                         raise RuntimeError(f"prefill answered {r.status}")
+                if self.captured is not None:
+                    self.captured["prefill"] = raw
 
             pre = asyncio.ensure_future(prefill())
             db = {**body, **boot}
@@ -165,7 +171,10 @@ class Client:
                     remote_engine_id="d", remote_host=host, remote_port=int(port), remote_handshake_port=0,
                     remote_tp_size=1).encode()}
             async with self.s.post(p + "/v1/completions", data=orjson.dumps(pb), headers=json_h) as r:
-                kv = orjson.loads(await r.read())["kv_transfer_params"]
+                raw = await r.read()
+            if self.captured is not None:
+                self.captured["prefill"] = raw
+            kv = orjson.loads(raw)["kv_transfer_params"]
             db = {**body, "kv_transfer_params": kv if self.dialect == "vllm" else handoff_for_decode(kv)}
         try:
             ttft = await self._answer(d, db, stream, t0, "decode")
@@ -318,9 +327,10 @@ async def paired(targets: list[tuple[Client, str]], stream: bool, seconds: float
 
 
 async def main(a: argparse.Namespace) -> list[Result]:
-    blocks = fleet_blocks(max(a.prompt_bytes or [0]))
-    fleet, lines = start([*MESH, "mock-fleet", "--prefill", str(a.prefill), "--decode", str(a.decode), *blocks,
-                          *a.fleet_args.split()], "ready")
+    from bench.null_upstream import start_upstream
+
+    fleet, lines = await start_upstream(a.upstream, "atom", a.prompt_bytes or [0], a.prefill, a.decode,
+                                        a.fleet_args.split(), Path(tempfile.mkdtemp(prefix="atomesh-overhead-")))
     prefills = [line.split()[1] for line in lines if line.startswith("prefill ")]
     decodes = [line.split()[1] for line in lines if line.startswith("decode ")]
     cmd = [*MESH, "--log-level", "WARNING", "serve", "--port", "0", "--prefill-policy", a.policy,
@@ -444,6 +454,9 @@ if __name__ == "__main__":
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--ledger-interval 1'")
     ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
                     "'--prefill-ms-per-token 0.015' (the mesh idle between requests, as it is beside a real engine)")
+    ap.add_argument("--upstream", choices=("fleet", "null"), default="fleet", help="what the proxies call: the mock "
+                    "fleet, or the null upstream that replays its answers at next to no cost (bench/null_upstream.py: "
+                    "the fleet's own CPU and pace out of every proxy's figures)")
     ap.add_argument("--mesh-tree", help="run `mesh serve` and `mesh mock-fleet` from this source tree (a worktree "
                     "of another commit) instead of this one")
     ap.add_argument("--prompt-bytes", default="", help="long prompts instead: these sizes in bytes (e.g. "

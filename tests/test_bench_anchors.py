@@ -182,3 +182,93 @@ def test_cpu_awake_holds_a_zero_latency_request_and_ends_it_on_exit(tmp_path: Pa
     missing.DEVICE = str(tmp_path / "nowhere")
     with missing:
         assert not missing.held and "nowhere" in missing.why
+
+
+@pytest.mark.parametrize("dialect", ["atom", "vllm", "sglang"])
+async def test_null_upstream_replays_the_fleets_answers_to_the_mesh_and_to_direct(dialect: str) -> None:
+    """`bench/overhead.py --upstream null`: the answers captured from the mock fleet in `dialect`
+    (every block back in the fleet after the capture), replayed by size and mode: the direct
+    baseline and the mesh in that dialect get every token once, JSON and SSE, short and long
+    prompts; the prefill's answer is the capture for the largest size not above the body's length
+    (a long prompt's block ids), byte for byte."""
+    import aiohttp
+
+    from bench.null_upstream import Answers, capture, serve
+    from bench.overhead import Client
+    from mesh.app import bound_port, create_app, start_site
+    from mesh.config import MeshConfig, Timeouts, make_worker
+
+    doc = await capture(dialect, [0, 8000])
+    assert [c["size"] for c in doc["captures"]] == [0, 8000]
+    answers = Answers(doc)
+    servers = await serve(answers, 1, 1)
+    pre, dec = (f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers)
+    extra = {"bootstrap_port": int(pre.rsplit(":", 1)[1])} if dialect == "sglang" else {}
+    app = create_app(MeshConfig(
+        host="127.0.0.1", port=0, prefill_policy="round_robin", decode_policy="round_robin",
+        prefill=(make_worker("prefill", {"url": pre, "model": "mock-model", "dialect": dialect, **extra}, 0),),
+        decode=(make_worker("decode", {"url": dec, "model": "mock-model", "dialect": dialect}, 0),),
+        timeouts=Timeouts(prefill=5, decode_first_byte=5, decode_idle=5, release=2)))
+    runner = await start_site(app, "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for size in (0, 8000, 20000):
+                c = Client(s, f"http://127.0.0.1:{bound_port(runner)}", [pre], [dec], prompt_bytes=size)
+                c.check, c.dialect = True, dialect
+                for stream in (False, True):
+                    await c.direct(stream)   # raises on a wrong token count
+                    await c.via_mesh(stream)
+            long_body = orjson.dumps({"model": "mock-model", "prompt": "x" * 9000, "max_tokens": 1})
+            async with s.post(pre + "/v1/completions", data=long_body) as r:
+                assert r.status == 200 and await r.read() == doc["captures"][1]["prefill"].encode()
+            async with s.post(pre + "/v1/completions", data=b'{"prompt":"short"}') as r:
+                assert await r.read() == doc["captures"][0]["prefill"].encode()
+    finally:
+        await runner.cleanup()
+        for srv in servers:
+            srv.close()
+
+
+async def test_null_upstream_reads_requests_in_any_pieces_and_refuses_bodies_it_cannot_delimit() -> None:
+    """Pipelined requests in one write are answered in order; a request sent a byte at a time is
+    answered once; GET /health and /v1/models answer, other paths 404 (no /load: the mesh finds no
+    holder API); a body without a Content-Length (chunked) is a 411 and the connection closes."""
+    import asyncio
+
+    from bench.null_upstream import Answers, serve
+
+    sse_events = b"".join(b'data: {"choices":[{"index":0,"text":" t%d"}]}\n\n' % i for i in (1, 2)) + b"data: [DONE]\n\n"
+    answers = Answers({"model": "m", "captures": [
+        {"size": 0, "prefill": '{"p":0}', "decode_json": '{"d":0}', "decode_sse": sse_events.decode()}]})
+    servers = await serve(answers, 0, 1)
+    port = servers[0].sockets[0].getsockname()[1]
+
+    def post(body: bytes) -> bytes:
+        return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    async def exchange(data: bytes, pieces: int = 1) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        step = max(1, len(data) // pieces)
+        for i in range(0, len(data), step):
+            w.write(data[i:i + step])
+            await w.drain()
+        w.write_eof()
+        out = await asyncio.wait_for(r.read(), 5)
+        w.close()
+        return out
+
+    try:
+        got = await exchange(post(b'{"a":1}') + post(b'{"stream":true}') + b"GET /health HTTP/1.1\r\n\r\n"
+                             + b"GET /v1/models HTTP/1.1\r\n\r\n" + b"GET /load HTTP/1.1\r\n\r\n")
+        heads = [h.split(b"\r\n")[0] for h in got.split(b"HTTP/1.1 ")[1:]]
+        assert heads == [b"200 OK", b"200 OK", b"200 OK", b"200 OK", b"404 Not Found"]
+        assert got.index(b'{"d":0}') < got.index(b"text/event-stream") < got.index(b'"id":"m"')
+        assert b"%x\r\n" % len(b'data: {"choices":[{"index":0,"text":" t1"}]}\n\n') in got   # one chunk per event
+        assert b"0\r\n\r\n" in got
+        assert (await exchange(post(b'{"b":2}'), pieces=40)).count(b'{"d":0}') == 1
+        refused = await exchange(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 b"5\r\nhello\r\n0\r\n\r\n" + post(b'{"c":3}'))
+        assert refused.startswith(b"HTTP/1.1 411") and b'{"d":0}' not in refused
+    finally:
+        for srv in servers:
+            srv.close()
