@@ -31,7 +31,7 @@ import aiohttp  # noqa: E402
 
 import bench.overhead as overhead  # noqa: E402
 from bench.anchors import Tree, start_mesh, wait_serving  # noqa: E402
-from bench.procs import MESH, Syscalls, start  # noqa: E402
+from bench.procs import MESH, Syscalls  # noqa: E402
 
 
 async def run(a: argparse.Namespace) -> int:
@@ -39,8 +39,9 @@ async def run(a: argparse.Namespace) -> int:
     proxy_core, rest = {cores[-1]}, set(cores[:-1]) or {cores[-1]}
     os.sched_setaffinity(0, rest)
     tmp = Path(tempfile.mkdtemp(prefix="atomesh-dialect-"))
-    fleet, lines = start([*MESH, "mock-fleet", "--dialect", a.dialect, "--prefill", "1", "--decode", "1",
-                          *a.fleet_args.split()], "ready")
+    from bench.null_upstream import start_upstream
+
+    fleet, lines = await start_upstream(a.upstream, a.dialect, [0], 1, 1, a.fleet_args.split(), tmp)
     pre = [x.split()[1] for x in lines if x.startswith("prefill ")]
     dec = [x.split()[1] for x in lines if x.startswith("decode ")]
     Tree(fleet.pid).pin(rest)
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16", help="comma-separated, e.g. 1,16,64")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--mesh-tree", help="run the mesh and the mock fleet from this source tree")
+    ap.add_argument("--upstream", choices=("fleet", "null"), default="fleet",
+                    help="the mock fleet, or the null upstream replaying its answers (bench/null_upstream.py)")
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--pace-us 0'")
     ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
                     "'--decode-ms-per-token 0.5' (tokens paced: one upstream read each)")
