@@ -18,6 +18,11 @@ Every answer is checked: 16 tokens for JSON, 64 for SSE, each once (`check_token
 round_robin for prefill and decode everywhere (the proxies' cost, not their policies', is measured).
 Exits 1 when the mesh is above sglang-router at c >= 16 (JSON or SSE), as issue 20 asks.
 
+`--upstream null`: every proxy (and the direct baseline) calls `bench/null_upstream.py` instead, the
+fleet's own answers replayed at next to no CPU, so neither the fleet's CPU on the core beside the
+proxy nor its pace is in the figures. It writes an SSE stream's events one a loop turn (the fleet at
+zero timing sends them in bursts), and it has no holder API, so the mesh's atom flow is untracked.
+
 `--prompt-bytes 1000,220000,1000000` with `--anchors`: long prompts instead, JSON at c=1 for each
 size through every proxy and direct (the fleet's pools sized for the largest), so the mesh's CPU per
 long-prompt request stands beside the Rust routers' on the same fleet, in the same run. (At c=1 a

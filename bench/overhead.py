@@ -12,6 +12,7 @@ process's own CPU time per request; writes JSON under bench/results/.
     .venv/bin/python bench/overhead.py --anchors --prompt-bytes 1000,220000,1000000   # long prompts, beside them
     .venv/bin/python bench/overhead.py --rss-minutes 10        # the mesh's RSS at its highest rate
     sudo .venv/bin/python bench/overhead.py --anchors --awake  # the CPUs kept out of halting (bench.procs.CpuAwake)
+    .venv/bin/python bench/overhead.py --upstream null --prompt-bytes 1000,220000,1000000   # no fleet CPU beside
 
 Before/after a change, in one run on one machine: check the old commit out in a worktree and let
 this same script start the mesh and the mock fleet from each tree in turn (alternate a few rounds:
