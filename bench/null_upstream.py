@@ -26,8 +26,11 @@ their Content-Length, never parses them, and writes the answer the fleet gave to
   request with a body it cannot delimit (no Content-Length, or chunked) gets 411 and the
   connection is closed.
 
-What it cannot show is anything of the workers: every request of a size gets the same answer (the
-same transfer id, block ids and text), which the proxies pass on without looking.
+What it cannot show is anything of the workers or the engines: every request of a size gets the
+same answer (the same transfer id, block ids and text), which the proxies pass on without looking.
+The answers are the mock fleet's, so their fields are what `workers/mock_dialects.py` answers in
+each dialect (with the sources it follows); nothing here is evidence of how vLLM, SGLang or ATOM
+answer. It is for the proxies' own CPU and latency only.
 """
 
 from __future__ import annotations
