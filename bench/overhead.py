@@ -365,7 +365,7 @@ async def main(a: argparse.Namespace) -> list[Result]:
             if a.prompt_bytes:
                 return results
             if a.rss_minutes:
-                await rss_run(Client(s, url, prefills, decodes), proc, a.rss_minutes)
+                await rss_run(Client(s, url, prefills, decodes), proc, a.rss_minutes, upstream=a.upstream)
                 return results
             client = Client(s, url, prefills, decodes)
             for stream in (False, True):
@@ -386,7 +386,8 @@ async def main(a: argparse.Namespace) -> list[Result]:
     return results
 
 
-async def rss_run(client: Client, proc: psutil.Process, minutes: float, conc: int = 64) -> None:
+async def rss_run(client: Client, proc: psutil.Process, minutes: float, conc: int = 64,
+                  upstream: str = "fleet") -> None:
     """`--rss-minutes`: the mesh at its highest rate (closed loop, `conc` at once, JSON and SSE in
     turn, every answer's token count checked) for `minutes`; its RSS sampled every 5 s, the growth
     from the end of the first minute (warm-up) to the end."""
@@ -414,7 +415,7 @@ async def rss_run(client: Client, proc: psutil.Process, minutes: float, conc: in
     samples.append((time.monotonic() - t0, proc.memory_info().rss))
     warm = next(r for t, r in samples if t >= 60) if minutes > 1 else samples[0][1]
     end = samples[-1][1]
-    res = {"minutes": minutes, "concurrency": conc, "requests": done, "errors": errors,
+    res = {"minutes": minutes, "concurrency": conc, "upstream": upstream, "requests": done, "errors": errors,
            "rps": round(done / (minutes * 60), 1), "rss_start_mb": round(samples[0][1] / 2**20, 1),
            "rss_after_warmup_mb": round(warm / 2**20, 1), "rss_end_mb": round(end / 2**20, 1),
            "growth_after_warmup_pct": round((end / warm - 1) * 100, 2),
@@ -502,7 +503,7 @@ if __name__ == "__main__":
     if args.rss_minutes:
         sys.exit(0)
     summ = summary(res)
-    print("\nsummary (mesh vs direct, same run):")
+    print(f"\nsummary (mesh vs direct, same run; upstream: {args.upstream}):")
     for s in summ:
         print(f"  {s['mode']:5} c={s['concurrency']:<3} mesh cpu {s['mesh_cpu_ms_per_req']} ms/req  "
               f"added p50 {s['added_p50_ms']:+.3f} ms  rps ratio {s['rps_ratio_mesh_over_direct']}")
