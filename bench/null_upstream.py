@@ -13,7 +13,7 @@ their Content-Length, never parses them, and writes the answer the fleet gave to
 - `capture(dialect, sizes)`: the mock fleet, in this process, in `dialect`; for each prompt size
   (0: the bench's short prompt), one PD request in JSON and one in 64-token SSE, run directly as
   `bench.overhead.Client.direct` runs them, each answer's tokens checked; each leg's answer kept as
-  the fleet sent it. The fleet ends with every transfer released and nothing in flight (checked).
+  the fleet sent it. The fleet ends with every transfer released, nothing in flight and every pool whole (checked).
 - `python bench/null_upstream.py ANSWERS --prefill N --decode M`: N prefill and M decode
   listeners on 127.0.0.1 (free ports), printed as the fleet prints them (`prefill URL`,
   `decode URL`, then `ready`). A POST gets its leg's capture for the largest prompt size not above
@@ -67,11 +67,11 @@ async def capture(dialect: str, sizes: list[int]) -> dict[str, Any]:
     import aiohttp
 
     from bench.overhead import Client
-    from bench.procs import fleet_blocks
+    from bench.procs import fleet_num_blocks
     from workers.mock import FleetSpec, MockFleet
 
     fleet = MockFleet(FleetSpec(prefill=1, decode=1, dialect=dialect, model=MODEL,
-                                num_blocks=int(fleet_blocks(max(sizes))[1])))
+                                num_blocks=fleet_num_blocks(max(sizes))))
     await fleet.start()
     out = []
     try:
@@ -87,12 +87,17 @@ async def capture(dialect: str, sizes: list[int]) -> dict[str, Any]:
                     legs.setdefault("prefill", c.captured["prefill"])
                 out.append({"size": size, **{k: v.decode() for k, v in legs.items()}})
         workers = [*fleet.prefills, *fleet.decodes]
+
+        def settled() -> bool:   # every transfer released, nothing in flight, every pool whole again
+            return (not any(len(p.holder) for p in fleet.prefills) and not any(w.in_flight for w in workers)
+                    and all(w.engine.blocks.free == w.engine.blocks.num_blocks for w in workers))
+
         for _ in range(250):
-            if not any(len(p.holder) for p in fleet.prefills) and not any(w.in_flight for w in workers):
+            if settled():
                 break
             await asyncio.sleep(0.02)
         else:
-            raise RuntimeError("the mock fleet still holds KV or requests after the capture")
+            raise RuntimeError("the mock fleet still holds KV blocks or requests after the capture")
     finally:
         await fleet.close()
     return {"dialect": dialect, "model": MODEL, "captures": out}

@@ -20,10 +20,15 @@ LOG_DIR_ENV = "ATOMESH_BENCH_LOGS"
 _started = 0
 
 
+def fleet_num_blocks(prompt_bytes: int) -> int:
+    """The mock fleet's pool for prompts of `prompt_bytes` (one token a byte, 16 to a block): room
+    for 8 such prompts at once, and never under 4096 blocks."""
+    return max(4096, 8 * prompt_bytes // 16)
+
+
 def fleet_blocks(prompt_bytes: int) -> list[str]:
-    """`mesh mock-fleet`'s pool for prompts of `prompt_bytes` (one token a byte, 16 to a block):
-    room for 8 such prompts at once, and never under 4096 blocks."""
-    return ["--num-blocks", str(max(4096, 8 * prompt_bytes // 16))]
+    """`mesh mock-fleet`'s arguments for that pool."""
+    return ["--num-blocks", str(fleet_num_blocks(prompt_bytes))]
 
 
 def start(args: list[str], until: str, timeout: float = 180) -> tuple[subprocess.Popen[str], list[str]]:
