@@ -13,7 +13,8 @@ their Content-Length, never parses them, and writes the answer the fleet gave to
 - `capture(dialect, sizes)`: the mock fleet, in this process, in `dialect`; for each prompt size
   (0: the bench's short prompt), one PD request in JSON and one in 64-token SSE, run directly as
   `bench.overhead.Client.direct` runs them, each answer's tokens checked; each leg's answer kept as
-  the fleet sent it. The fleet ends with every transfer released, nothing in flight and every pool whole (checked).
+  the fleet sent it. The fleet ends with every transfer released, nothing in flight and every
+  pool whole (checked).
 - `python bench/null_upstream.py ANSWERS --prefill N --decode M`: N prefill and M decode
   listeners on 127.0.0.1 (free ports), printed as the fleet prints them (`prefill URL`,
   `decode URL`, then `ready`). A POST gets its leg's capture for the largest prompt size not above
