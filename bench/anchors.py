@@ -217,7 +217,8 @@ async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
                         row = {"dialect": dialect, "proxy": name, "mode": r.mode, "c": conc, "rps": r.rps,
                                "p50_ms": r.p50_ms, "errors": r.errors, "requests": r.requests,
                                "cpu_ms_per_req": r.mesh_cpu_ms_per_req if p is not None else None,
-                               "client_reads_per_stream": r.reads_per_stream, "syscalls_per_req": r.syscalls_per_req}
+                               "client_reads_per_stream": r.reads_per_stream, "syscalls_per_req": r.syscalls_per_req,
+                               "cpu_ms_rounds": r.cpu_ms_rounds if p is not None else None}
                         rows.append(row)
                         cpu = f"  cpu {row['cpu_ms_per_req']:.3f} ms/req" if row["cpu_ms_per_req"] else ""
                         sc = r.syscalls_per_req
@@ -251,6 +252,20 @@ async def run(a: argparse.Namespace, idle: dict[str, Any] | None = None) -> int:
     return report(rows, idle, a.upstream)
 
 
+def round_ratios(mesh: list[float] | None, router: list[float] | None) -> str:
+    """The mesh's ratio to a router round by round (`bench.overhead.rounds` runs them next to each
+    other in every round, the order reversed each time), where there are three rounds or more: the
+    median ratio, its range and how many rounds read at or below 1. The pooled ratio weighs every
+    request alike, so a round in which the machine ran slow moves it; the rounds' own ratios show
+    whether the verdict holds round by round."""
+    if not mesh or not router or len(mesh) != len(router) or len(mesh) < 3:
+        return ""
+    rs = sorted(m / x for m, x in zip(mesh, router))
+    med = rs[len(rs) // 2] if len(rs) % 2 else (rs[len(rs) // 2 - 1] + rs[len(rs) // 2]) / 2
+    return (f"; by round: median x{med:.2f}, x{rs[0]:.2f}-{rs[-1]:.2f}, "
+            f"{sum(r <= 1 for r in rs)}/{len(rs)} at or below")
+
+
 def report(rows: list[dict[str, Any]], idle: dict[str, Any] | None = None, upstream: str = "fleet") -> int:
     by = {(r["proxy"], r["mode"], r["c"]): r for r in rows}
     print("\nCPU ms per PD request (proxy pinned to its own core), the mesh's ratio to each router; upstream: "
@@ -266,7 +281,7 @@ def report(rows: list[dict[str, Any]], idle: dict[str, Any] | None = None, upstr
                 if m and x and m["cpu_ms_per_req"] and x["cpu_ms_per_req"]:
                     ratio = m["cpu_ms_per_req"] / x["cpu_ms_per_req"]
                     cells.append(f"{mesh} {m['cpu_ms_per_req']:.3f} vs {router} {x['cpu_ms_per_req']:.3f} "
-                                 f"(x{ratio:.2f})")
+                                 f"(x{ratio:.2f}{round_ratios(m.get('cpu_ms_rounds'), x.get('cpu_ms_rounds'))})")
                     if router == "sglang-router" and c >= 16 and mode in ("json", "sse64") and ratio > 1:
                         bad.append(f"{mode} c={c} x{ratio:.2f}")
             atom = by.get(("mesh (atom)", mode, c))

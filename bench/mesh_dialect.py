@@ -81,8 +81,9 @@ def main() -> None:
     ap.add_argument("--upstream", choices=("fleet", "null"), default="fleet",
                     help="the mock fleet, or the null upstream replaying its answers (bench/null_upstream.py)")
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--pace-us 0'")
-    ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
-                    "'--decode-ms-per-token 0.5' (tokens paced: one upstream read each)")
+    ap.add_argument("--fleet-args", default="", help="extra arguments to the upstream: `mesh mock-fleet`'s, e.g. "
+                    "'--decode-ms-per-token 0.5' (tokens paced: one upstream read each); with --upstream null, "
+                    "bench/null_upstream.py's, e.g. '--work-us-per-kb 17'")
     ap.add_argument("--profile", metavar="DIR", help="py-spy (on PATH) samples the mesh during each run")
     a = ap.parse_args()
     a.concurrency = [int(c) for c in a.concurrency.split(",")]

@@ -26,6 +26,12 @@ their Content-Length, never parses them, and writes the answer the fleet gave to
   `/load` and no holder API (its atom flow is untracked here, as in front of ATOM itself). A
   request with a body it cannot delimit (no Content-Length, or chunked) gets 411 and the
   connection is closed.
+- `--work-us-per-kb X` (default 0: off): before it answers a POST, the upstream spins X us of CPU
+  per kB of the request's body. The mock fleet's own cost is ~17 us per kB of a long prompt's two
+  legs; this puts CPU of that size beside the proxy (on the sibling hyperthread, with the gaps it
+  leaves the proxy idle in), without the fleet's memory traffic, to show how much of a proxy's cost
+  per request is its neighbour's (docs/benchmarks.md). With `bench/overhead.py --upstream null`,
+  pass it as `--fleet-args "--work-us-per-kb X"`.
 
 What it cannot show is anything of the workers or the engines: every request of a size gets the
 same answer (the same transfer id, block ids and text), which the proxies pass on without looking.
@@ -41,6 +47,7 @@ import asyncio
 import bisect
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +115,7 @@ async def start_upstream(kind: str, dialect: str, sizes: list[int], prefill: int
                          fleet_args: list[str], tmp: Path) -> tuple[subprocess.Popen[str], list[str]]:
     """The benchmarks' upstream, started: `fleet` (`mesh mock-fleet`, zero timing, its pools sized
     for the largest prompt) or `null` (this file, replaying that fleet's answers, captured first).
+    `fleet_args`: extra arguments to whichever it is (the null upstream's: `--work-us-per-kb`).
     Returns the process and its lines (`prefill URL` / `decode URL` ... `ready`)."""
     from bench.procs import MESH, fleet_blocks, start
 
@@ -116,12 +124,11 @@ async def start_upstream(kind: str, dialect: str, sizes: list[int], prefill: int
                       *fleet_blocks(max(sizes)), *fleet_args], "ready")
     if kind != "null":
         raise ValueError(f"upstream must be fleet or null, not {kind!r}")
-    if fleet_args:
-        raise ValueError("--fleet-args: the null upstream replays a zero-timing fleet's answers")
     path = tmp / f"null-{dialect}.json"
     path.write_bytes(orjson.dumps(await capture(dialect, sizes)))
+    # `fleet_args` are this upstream's own here (`--work-us-per-kb`); anything else fails its parser
     return start([sys.executable, str(Path(__file__).resolve()), str(path), "--prefill", str(prefill),
-                  "--decode", str(decode)], "ready")
+                  "--decode", str(decode), *fleet_args], "ready")
 
 
 def _chunks(events: bytes) -> list[bytes]:
@@ -132,10 +139,21 @@ def _chunks(events: bytes) -> list[bytes]:
     return out
 
 
-class Answers:
-    """Each capture's whole HTTP answers, built once."""
+def spin(seconds: float) -> None:
+    """Spend `seconds` of this thread's CPU (a busy wait: the core is kept running, not sleeping)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
-    def __init__(self, doc: dict[str, Any]) -> None:
+
+class Answers:
+    """Each capture's whole HTTP answers, built once. `work_us_per_kb`: the CPU spun per kB of a
+    POST's body before its answer (`--work-us-per-kb`)."""
+
+    def __init__(self, doc: dict[str, Any], work_us_per_kb: float = 0.0) -> None:
+        if work_us_per_kb < 0:
+            raise ValueError("--work-us-per-kb must be 0 or more")
+        self.work_s_per_byte = work_us_per_kb / 1e9   # us per kB (1000 bytes) as seconds per byte
         caps = sorted((Capture(int(c["size"]), c["prefill"].encode(), c["decode_json"].encode(),
                                c["decode_sse"].encode()) for c in doc["captures"]), key=lambda c: c.size)
         if not caps:
@@ -212,6 +230,8 @@ class Conn(asyncio.Protocol):
             if len(self.buf) < self.need:
                 return
             n, self.need = self.need, -1
+            if self.a.work_s_per_byte and self.method == b"POST":
+                spin(n * self.a.work_s_per_byte)
             self.send(self.answer(n))
             del self.buf[:n]
 
@@ -279,8 +299,10 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--work-us-per-kb", type=float, default=0.0,
+                    help="CPU spun per kB of a POST's body before its answer (a busy neighbour; 0: off)")
     a = ap.parse_args()
-    answers = Answers(orjson.loads(a.answers.read_bytes()))
+    answers = Answers(orjson.loads(a.answers.read_bytes()), a.work_us_per_kb)
 
     async def run(stop: asyncio.Event) -> None:
         await serve(answers, a.prefill, a.decode, a.host)

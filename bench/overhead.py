@@ -66,6 +66,8 @@ class Result:
     reads_per_stream: float | None = None
     # the proxy's system calls per request by kind (`bench.procs.Syscalls`), where counted
     syscalls_per_req: dict[str, float] | None = None
+    # the proxy's CPU ms per request in each round (`rounds`), in the order they ran
+    cpu_ms_rounds: list[float] | None = None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -202,6 +204,7 @@ class Raw:
     seconds: float = 0.0
     user: float = 0.0
     system: float = 0.0
+    per_round: list[float] = field(default_factory=list)   # CPU ms per request of each run pooled here
 
 
 async def run_one(client: Client, target: str, stream: bool, conc: int, seconds: float,
@@ -240,12 +243,15 @@ async def run_one(client: Client, target: str, stream: bool, conc: int, seconds:
         counter.start()
     u0, s0 = mesh_proc.cpu_times()[:2]
     client.reads.clear()
+    n0 = len(lat)
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(conc)))
     raw.seconds += time.perf_counter() - t0
     u1, s1 = mesh_proc.cpu_times()[:2]
     raw.user += u1 - u0
     raw.system += s1 - s0
+    if len(lat) > n0:
+        raw.per_round.append(round((u1 - u0 + s1 - s0) / (len(lat) - n0) * 1e3, 4))
     raw.reads += [float(x) for x in client.reads]
     calls = counter.stop() if counter is not None else None
     if calls is not None:
@@ -264,7 +270,8 @@ def pooled(raw: Raw, target: str, stream: bool, conc: int) -> Result:
                   round(cpu / n * 1e3, 4) if target == "mesh" and n else None,
                   round(raw.system / cpu, 3) if target == "mesh" and cpu > 0 else None,
                   pct(raw.reads, 0.5) if raw.reads else None,
-                  {k: round(v / n, 1) for k, v in raw.calls.items()} if raw.calls is not None and n else None)
+                  {k: round(v / n, 1) for k, v in raw.calls.items()} if raw.calls is not None and n else None,
+                  list(raw.per_round) if target == "mesh" else None)
 
 
 async def rounds(targets: list[tuple[Client, str, Any, bool]], stream: bool, conc: int, seconds: float,
@@ -454,8 +461,9 @@ if __name__ == "__main__":
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--policy", default="cache_aware", help="prefill policy of the mesh")
     ap.add_argument("--mesh-args", default="", help="extra `mesh serve` arguments, e.g. '--ledger-interval 1'")
-    ap.add_argument("--fleet-args", default="", help="extra `mesh mock-fleet` arguments, e.g. "
-                    "'--prefill-ms-per-token 0.015' (the mesh idle between requests, as it is beside a real engine)")
+    ap.add_argument("--fleet-args", default="", help="extra arguments to the upstream: `mesh mock-fleet`'s, e.g. "
+                    "'--prefill-ms-per-token 0.015' (the mesh idle between requests, as it is beside a real engine); "
+                    "with --upstream null, bench/null_upstream.py's, e.g. '--work-us-per-kb 17' (a busy neighbour)")
     ap.add_argument("--upstream", choices=("fleet", "null"), default="fleet", help="what the proxies call: the mock "
                     "fleet, or the null upstream that replays its answers at next to no cost (bench/null_upstream.py: "
                     "the fleet's own CPU and pace out of every proxy's figures)")

@@ -122,6 +122,23 @@ async def test_rounds_alternate_the_order_and_pool_every_round() -> None:
     # two measured rounds of the mesh's tree: 2 x (0.5 user + 0.5 system) seconds over its requests
     assert ra.mesh_cpu_ms_per_req == round(2000 / ra.requests, 4) and rb.mesh_cpu_ms_per_req is None
     assert 0.1 <= ra.seconds < 0.2
+    # and round by round, in the order they ran: 1 s of CPU over each round's own requests
+    assert ra.cpu_ms_rounds is not None and len(ra.cpu_ms_rounds) == 2 and rb.cpu_ms_rounds is None
+    per = [1000 / x for x in ra.cpu_ms_rounds]   # each round's requests, as the figures give them
+    assert all(abs(n - round(n)) < 0.01 for n in per) and round(sum(per)) == ra.requests
+
+
+def test_round_ratios_read_the_rounds_side_by_side() -> None:
+    """`bench.anchors.round_ratios`: round i of the mesh against round i of the router (they ran
+    next to each other); the median, range and count at or below 1; nothing under three rounds."""
+    from bench.anchors import round_ratios
+
+    assert round_ratios([0.2, 0.2], [0.2, 0.2]) == ""
+    assert round_ratios(None, [0.2, 0.2, 0.2]) == "" and round_ratios([0.1] * 3, [0.1] * 4) == ""
+    # ratios 0.5, 1.0, 1.5, 2.0: median 1.25, two of four at or below
+    got = round_ratios([0.1, 0.2, 0.3, 0.4], [0.2, 0.2, 0.2, 0.2])
+    assert got == "; by round: median x1.25, x0.50-2.00, 2/4 at or below"
+    assert round_ratios([0.3, 0.1, 0.2], [0.2, 0.2, 0.2]) == "; by round: median x1.00, x0.50-1.50, 2/3 at or below"
 
 
 async def test_paired_rotates_the_order_and_pairs_each_turn() -> None:
@@ -272,3 +289,37 @@ async def test_null_upstream_reads_requests_in_any_pieces_and_refuses_bodies_it_
     finally:
         for srv in servers:
             srv.close()
+
+
+async def test_null_upstream_spends_the_cpu_it_is_told_per_kb_of_a_post() -> None:
+    """`--work-us-per-kb`: before a POST's answer the upstream spins that much of its CPU per kB of
+    the body (a busy neighbour for the proxy); a GET costs nothing; a negative figure is refused."""
+    import asyncio
+    import time
+
+    import pytest
+
+    from bench.null_upstream import Answers, serve
+
+    doc = {"model": "m", "captures": [{"size": 0, "prefill": "{}", "decode_json": '{"d":0}',
+                                       "decode_sse": "data: [DONE]\n\n"}]}
+    with pytest.raises(ValueError, match="work-us-per-kb"):
+        Answers(doc, -1.0)
+    servers = await serve(Answers(doc, 2000.0), 0, 1)   # 2 ms per kB: a 50 kB body costs 100 ms
+    port = servers[0].sockets[0].getsockname()[1]
+    body = b"x" * 50_000
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        for req, least, most in ((b"GET /health HTTP/1.1\r\n\r\n", 0.0, 0.05),
+                                 (b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+                                  0.1, 5.0)):
+            cpu0 = time.thread_time()   # the server runs in this thread: its spin is this thread's CPU
+            w.write(req)
+            await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+            spent = time.thread_time() - cpu0
+            assert least <= spent < most, (req[:20], spent)
+            await asyncio.wait_for(r.readexactly(2 if req.startswith(b"GET") else 7), 5)   # "{}" / '{"d":0}'
+        w.close()
+    finally:
+        for s in servers:
+            s.close()
