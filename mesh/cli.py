@@ -89,7 +89,7 @@ def build_config(a: argparse.Namespace) -> MeshConfig:
                                       queue_timeout=pick(a.queue_timeout, "queue_timeout", 5.0),
                                       per_key_concurrency=pick(a.per_key_concurrency, "per_key_concurrency", 0)),
             api_keys=api_keys(a), forward_client_auth=a.forward_client_auth or m.get("forward_client_auth", False),
-            pace_us=pick(a.pace_us, "pace_us", 250))
+            pace_us=pick(a.pace_us, "pace_us", 1000))
     except TypeError as e:
         raise ConfigError(f"[mesh]: {e}") from None
 
@@ -290,7 +290,7 @@ def add_commands(sub: Subcommands) -> None:
                    help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
     s.add_argument("--pace-us", type=int, help="with 4 or more requests in flight and a relayed stream read twice "
                    "within this many microseconds, the loop polls at most once per period: its events come in "
-                   "one read and one write (default 250; 0: off)")
+                   "one read and one write (default 1000; 0: off)")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "

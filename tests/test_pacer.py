@@ -175,7 +175,7 @@ def test_pace_us_flag():
                       "--pace-us", "0"])
     assert build_config(a).pace_us == 0
     a = p.parse_args(["serve", "--decode", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2"])
-    assert build_config(a).pace_us == 250
+    assert build_config(a).pace_us == 1000
 
 
 @pytest.mark.parametrize("dialect", ["atom", "sglang"])
