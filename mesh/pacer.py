@@ -27,7 +27,7 @@ never starts, so an idle mesh's latency is untouched.
 Cost: while pacing, a read waits at most one period (plus the kernel's timer slack, ~50 us) before
 the mesh handles it. `mesh serve --pace-us` sets the period (default 1000 us; 0: off). The default
 was 250 us until a run beside the zero-cost upstreams and the fleet at 0.5 and 5 ms a token showed
-1000 us spending 10-36% less CPU per SSE request at c=16 and c=64 with the same or lower p50
+1000 us spending 6-38% less CPU per SSE request at c=16 and c=64 with the same or lower p50
 (docs/benchmarks.md, "ninth"): an event that comes faster than 1 ms after the one before may wait
 up to 1 ms, at most a token's worth at 1,000 tokens a second per stream.
 """
