@@ -260,9 +260,10 @@ def round_ratios(mesh: list[float] | None, router: list[float] | None) -> str:
     whether the verdict holds round by round."""
     if not mesh or not router or len(mesh) != len(router) or len(mesh) < 3:
         return ""
+    import statistics
+
     rs = sorted(m / x for m, x in zip(mesh, router))
-    med = rs[len(rs) // 2] if len(rs) % 2 else (rs[len(rs) // 2 - 1] + rs[len(rs) // 2]) / 2
-    return (f"; by round: median x{med:.2f}, x{rs[0]:.2f}-{rs[-1]:.2f}, "
+    return (f"; by round: median x{statistics.median(rs):.2f}, x{rs[0]:.2f}-{rs[-1]:.2f}, "
             f"{sum(r <= 1 for r in rs)}/{len(rs)} at or below")
 
 
