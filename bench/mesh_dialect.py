@@ -23,6 +23,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,6 +33,16 @@ import aiohttp  # noqa: E402
 import bench.overhead as overhead  # noqa: E402
 from bench.anchors import Tree, start_mesh, wait_serving  # noqa: E402
 from bench.procs import MESH, Syscalls  # noqa: E402
+
+
+async def paced_seconds(s: aiohttp.ClientSession, url: str) -> float:
+    """The mesh's `atomesh_loop_paced_seconds_total`: how long its loop has slept while pacing."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith("atomesh_loop_paced_seconds_total "):
+            return float(line.split()[1])
+    return 0.0
 
 
 async def run(a: argparse.Namespace) -> int:
@@ -56,14 +67,17 @@ async def run(a: argparse.Namespace) -> int:
                 for conc in a.concurrency:
                     client = overhead.Client(s, url, pre, dec)
                     client.check = True
+                    slept, t0 = await paced_seconds(s, url), time.perf_counter()
                     r = await overhead.run_one(client, "mesh", stream, conc, a.seconds, Tree(mp.pid),
                                                count_syscalls=count)
+                    paced = (await paced_seconds(s, url) - slept) / (time.perf_counter() - t0)
                     errors += r.errors
                     sc = r.syscalls_per_req
                     calls = (f"  reads {sc['reads']:.1f} writes {sc['writes']:.1f} wake-ups {sc['waits']:.1f}"
                              if sc else "")
                     print(f"{a.dialect:6} {r.mode:5} c={conc:<3} {r.rps:8.1f} req/s  p50 {r.p50_ms:7.2f} ms  "
-                          f"errors {r.errors}  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req{calls}", flush=True)
+                          f"errors {r.errors}  mesh cpu {r.mesh_cpu_ms_per_req:.3f} ms/req{calls}  "
+                          f"slept pacing {paced:.0%}", flush=True)
     finally:
         mp.terminate()
         mp.wait(15)

@@ -289,8 +289,9 @@ def add_commands(sub: Subcommands) -> None:
     s.add_argument("--no-first-token-early", action="store_true",
                    help="PD streams: wait for decode's first byte instead of sending the prefill's token at once")
     s.add_argument("--pace-us", type=int, help="with 4 or more requests in flight and a relayed stream read twice "
-                   "within this many microseconds, the loop polls at most once per period: its events come in "
-                   "one read and one write (default 1000; 0: off)")
+                   "within this many microseconds, or answers coming 3 or more a period to requests that take "
+                   "4 periods or more, the loop polls at most once per period: a burst comes in one read and "
+                   "one write, answers with one wake-up (default 1000; 0: off)")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL of this replica's registration (etcd)")
     s.add_argument("--advertise-url", help="this replica's URL for its etcd record")
     s.add_argument("--admin-token", help="require it as a bearer token on admin routes "

@@ -87,7 +87,7 @@ class MeshConfig:
     admission: AdmissionConfig = AdmissionConfig()
     api_keys: tuple[str, ...] = ()             # set: /v1/* needs `Authorization: Bearer <one of them>`
     forward_client_auth: bool = False          # pass the client's Authorization on to workers without a key of their own
-    pace_us: int = 1000                        # bursty streams under load: a poll per period (mesh.pacer); 0: off
+    pace_us: int = 1000                        # bursty streams, dense answers: a poll per period (mesh.pacer); 0: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

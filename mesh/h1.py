@@ -40,6 +40,7 @@ class _Conn(asyncio.Protocol):
         self.resp: H1Response | None = None
         self.idle_since = 0.0   # when it went back to the pool
         self.note = pool.note
+        self.note_whole = pool.note_whole
         self.read_at = 0.0      # the last read of a relayed stream (`mesh.pacer`)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -51,6 +52,8 @@ class _Conn(asyncio.Protocol):
         if resp is not None:
             if resp._sink is not None:
                 self.note(self)   # a read of a relayed stream (`mesh.pacer`)
+            else:
+                self.note_whole(self)   # a whole answer's or a head's read (`mesh.pacer`)
             if resp._framed is not None:
                 resp._feed_framed(data)   # a relay's whole chunks, as they came
             else:
@@ -556,6 +559,7 @@ class H1Pool:
     def __init__(self, *, connect_timeout: float = 3.0, max_idle_per_host: int = 512, idle_s: float = IDLE_S,
                  pacer: Pacer | None = None) -> None:
         self.note = pacer.note if pacer is not None else no_note   # on every read of a relayed stream (`mesh.pacer`)
+        self.note_whole = pacer.note_whole if pacer is not None else no_note   # on every other read
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle_per_host
         self.idle_s = idle_s

@@ -356,6 +356,9 @@ class Conn(asyncio.Protocol):
     async def _run(self, kind: str, req: FastClient) -> None:
         pacer = self.srv.pacer
         pacer.active += 1
+        if pacer.active > pacer.peak:
+            pacer.peak = pacer.active
+        t0 = time.monotonic()
         try:
             ans = await self.srv.handler(kind, req)
         except asyncio.CancelledError:
@@ -369,6 +372,7 @@ class Conn(asyncio.Protocol):
                 ans = None
         finally:
             pacer.active -= 1
+            pacer.finished(time.monotonic() - t0)
         t = self.transport
         if t is None or self.closing:
             return

@@ -18,7 +18,7 @@ import pytest
 from contract.errors import ConfigError
 from mesh.cli import build_config, parser
 from mesh.config import MeshConfig
-from mesh.pacer import MIN_ACTIVE, Pacer, no_note
+from mesh.pacer import MIN_ACTIVE, MIN_REQUEST_PERIODS, WHOLE_MIN, WINDOW, Pacer, no_note
 from workers.fake import MockTiming
 from workers.mock import FleetSpec
 
@@ -135,11 +135,109 @@ def test_steady_streams_never_pace_however_many(monkeypatch):
     assert pacer.starts == 1 and pacer.on and ticks == [pacer._tick]
 
 
+class _Clock:
+    """time.monotonic and time.sleep of `mesh.pacer` on a clock of the test's own."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr("mesh.pacer.time.monotonic", lambda: self.now)
+        monkeypatch.setattr("mesh.pacer.time.sleep", self.sleep)
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def _answers(pacer: Pacer, clock: _Clock, per_period: float, periods: int, ticks: list[object]) -> None:
+    """Whole answers coming at `per_period` a period for `periods` periods. Not pacing, each is
+    read as it comes; pacing, the loop runs its tick (which sleeps out the period, on the test's
+    clock, and queues the next: taken from `ticks`) and then reads what came meanwhile."""
+    conn = SimpleNamespace()
+    gap = pacer.period / per_period
+    end = clock.now + periods * pacer.period
+    due = clock.now + gap       # the next answer's arrival
+    while clock.now < end:
+        if pacer.on:
+            ticks.pop()
+            pacer._tick()
+            if not pacer.on:
+                continue
+            if clock.now < due:   # a period of no answers: the tick sleeps nothing more
+                clock.now = min(due, clock.now + pacer.period)
+        else:
+            clock.now = max(clock.now, due)
+        while due <= clock.now:
+            pacer.note_whole(conn)
+            due += gap
+
+
+def _loaded(period: float, monkeypatch: pytest.MonkeyPatch) -> tuple[Pacer, _Clock, list[object]]:
+    clock = _Clock(monkeypatch)
+    pacer = Pacer(period)
+    pacer.active = MIN_ACTIVE
+    for _ in range(64):
+        pacer.finished(MIN_REQUEST_PERIODS * period * 2)   # requests take 8 periods
+    ticks: list[object] = []
+    pacer.loop = SimpleNamespace(call_soon=ticks.append)   # type: ignore[assignment]  # takes the tick only
+    return pacer, clock, ticks
+
+
+def test_dense_answers_under_load_pace_until_they_thin_out(monkeypatch):
+    """JSON legs' answers (and streams' heads) coming WHOLE_MIN or more a period, over a window of
+    WINDOW periods, with 4 or more requests in flight that take MIN_REQUEST_PERIODS periods or
+    more: the loop paces; it goes on while they come half as densely, and ends two periods after a
+    window finds them thinner than that."""
+    pacer, clock, ticks = _loaded(0.002, monkeypatch)
+    _answers(pacer, clock, WHOLE_MIN - 1, 3 * WINDOW, ticks)        # a little thinner: never
+    assert pacer.starts == 0 and not pacer.on
+    _answers(pacer, clock, WHOLE_MIN + 1, 2 * WINDOW, ticks)        # dense: it starts
+    assert pacer.whole_starts == pacer.starts == 1 and pacer.on and pacer.dense
+    naps = pacer.naps
+    _answers(pacer, clock, WHOLE_MIN / 2 + 0.5, 3 * WINDOW, ticks)   # half as dense still: it goes on
+    assert pacer.on and pacer.starts == 1 and pacer.naps > naps + 2 * WINDOW
+    _answers(pacer, clock, WHOLE_MIN / 4, 3 * WINDOW, ticks)         # thin: it ends
+    assert not pacer.on and not pacer.dense and pacer.starts == 1
+
+
+def test_answers_of_fast_requests_never_pace(monkeypatch):
+    """Upstreams that answer within a few periods (a zero-cost one): the loop's sleeps would be the
+    requests' time, and a closed loop of clients would slow to the period's pace. However dense
+    their answers, they do not start pacing."""
+    pacer, clock, ticks = _loaded(0.002, monkeypatch)
+    pacer.took = 0.0
+    for _ in range(64):
+        pacer.finished(0.9 * MIN_REQUEST_PERIODS * 0.002)
+    _answers(pacer, clock, 10 * WHOLE_MIN, 3 * WINDOW, ticks)
+    assert pacer.starts == 0 and not pacer.on
+
+
+def test_answers_with_few_in_flight_never_pace(monkeypatch):
+    pacer, clock, ticks = _loaded(0.002, monkeypatch)
+    pacer.active = MIN_ACTIVE - 1
+    _answers(pacer, clock, 10 * WHOLE_MIN, 3 * WINDOW, ticks)
+    assert pacer.starts == 0
+
+
+def test_pacing_ends_after_a_period_with_few_in_flight_not_at_a_tick_with_few(monkeypatch):
+    """A paced loop answers a period's requests together and reads their next ones while it sleeps,
+    so at a tick few may be in flight. A tick ends pacing only when the whole period since the
+    one before had fewer than MIN_ACTIVE in flight (the fast server keeps the peak)."""
+    pacer, clock, ticks = _loaded(0.002, monkeypatch)
+    _answers(pacer, clock, WHOLE_MIN + 1, 2 * WINDOW, ticks)
+    assert pacer.on
+    pacer.active, pacer.peak = 0, MIN_ACTIVE   # answered all; 4 were in flight earlier this period
+    ticks.pop()
+    pacer._tick()
+    assert pacer.on
+    ticks.pop()
+    pacer._tick()                              # a period with none in flight
+    assert not pacer.on
+
+
 async def test_a_period_already_spent_is_not_slept():
     """The tick's arithmetic: an iteration that outlasted the period (a saturated loop) sleeps
     nothing; one that did not sleeps out the rest, and the next period starts where it ends."""
     pacer = Pacer(0.002)
-    pacer.active = MIN_ACTIVE
+    pacer.active = pacer.peak = MIN_ACTIVE
     pacer.loop = asyncio.get_running_loop()
     pacer.on, pacer.seen, pacer.due = True, 1, time.monotonic() - 0.001
     pacer._tick()
@@ -150,9 +248,9 @@ async def test_a_period_already_spent_is_not_slept():
     pacer._tick()                                      # the rest of the period: slept
     assert pacer.naps == 1 and 0.001 < pacer.slept < 0.02   # the rest of the period, plus timer slack
     assert time.monotonic() - t0 >= pacer.slept
-    pacer.active = 0                                   # the next tick (queued) ends it
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    pacer.active = 0            # the next tick (queued) sees 4 in flight this period still; the one after ends it
+    for _ in range(3):
+        await asyncio.sleep(0)
     assert not pacer.on
 
 
@@ -215,4 +313,37 @@ async def test_a_pacing_mesh_answers_as_one_that_does_not(make_pd, dialect):
             text = await r.text()
     naps = [ln for ln in text.splitlines() if ln.startswith("atomesh_loop_paced_periods_total ")]
     assert naps and float(naps[0].split()[1]) == paced.state.pacer.naps
+    assert await paced.wait_released() == 0 and await plain.wait_released() == 0
+
+
+@pytest.mark.parametrize("dialect", ["atom", "sglang"])
+async def test_dense_json_answers_pace_and_answer_as_without(make_pd, dialect):
+    """Concurrent JSON requests in a closed loop, each taking ~40 ms of mock decode, through a mesh
+    that paces (a 5 ms period) and one that does not: dense answers start pacing; the same text
+    from both, every block back."""
+    spec = FleetSpec(prefill=1, decode=1, dialect=dialect, seed=7, timing=MockTiming(decode_ms_per_token=2.5))
+    paced = await make_pd(spec, pace_us=5000)
+    plain = await make_pd(spec, pace_us=0)
+
+    async def answers(url: str) -> list[str]:
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        out: dict[int, str] = {}
+
+        async def client(k: int) -> None:
+            for j in range(6):
+                i = j * 32 + k
+                r = await c.completions.create(model="mock-model", prompt=f"prompt {i} " * 20, max_tokens=16)
+                out[i] = r.choices[0].text
+
+        try:
+            await asyncio.gather(*(client(k) for k in range(32)))
+        finally:
+            await c.close()
+        return [out[i] for i in sorted(out)]
+
+    got = await answers(paced.url)
+    assert paced.state.pacer.whole_starts >= 1 and paced.state.pacer.naps > 0   # it paced on answers
+    assert got == await answers(plain.url)
+    assert len(got) == 192 and all(got)
+    assert paced.state.pacer.active == 0
     assert await paced.wait_released() == 0 and await plain.wait_released() == 0
