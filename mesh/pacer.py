@@ -65,9 +65,10 @@ def no_note(conn: Any) -> None:
 
 
 class Pacer:
-    """One per mesh app. The fast server counts its requests in `active`; every read of a relayed
-    stream on the hot legs (`mesh.h1`) calls `note(conn)`, where `conn.read_at` is the stream
-    connection's last read (time.monotonic, kept here)."""
+    """One per mesh app. The fast server counts its requests in `active` (and their peak since the
+    last tick in `peak`) and tells `finished` how long each took; every read of a relayed stream on
+    the hot legs (`mesh.h1`) calls `note(conn)`, where `conn.read_at` is the stream connection's
+    last read (time.monotonic, kept here), and every other read there `note_whole(conn)`."""
 
     __slots__ = ("period", "active", "on", "seen", "quiet", "due", "loop", "naps", "slept", "starts", "note",
                  "note_whole", "dense", "took", "whole_starts", "_win_at", "_win_n", "peak")
