@@ -39,9 +39,9 @@ Such streams start it only on their own bursts (a last event and the stream's en
 period), for a couple of periods. At one or a few requests in flight it
 never starts, so an idle mesh's latency is untouched.
 
-Cost: while pacing, a read (an event, an answer) waits at most one period (plus the kernel's timer slack, ~50 us) before
-the mesh handles it. `mesh serve --pace-us` sets the period (default 1000 us; 0: off). The default
-was 250 us until a run beside the zero-cost upstreams and the fleet at 0.5 and 5 ms a token showed
+Cost: while pacing, a read (an event, an answer) waits at most one period (plus the kernel's
+timer slack, ~50 us) before the mesh handles it. `mesh serve --pace-us` sets the period (default
+1000 us; 0: off). The default was 250 us until a run beside the zero-cost upstreams and the fleet at 0.5 and 5 ms a token showed
 1000 us spending 6-38% less CPU per SSE request at c=16 and c=64 with the same or lower p50
 (docs/benchmarks.md, "ninth"): an event that comes faster than 1 ms after the one before may wait
 up to 1 ms, at most a token's worth at 1,000 tokens a second per stream.
@@ -138,7 +138,7 @@ class Pacer:
         self.on = True
         self.seen = 1
         self.quiet = 0
-        self.peak = max(self.peak, self.active)
+        self.peak = self.active   # (both notes start it only with MIN_ACTIVE or more in flight)
         self.starts += 1
         self.due = now + self.period
         if self.loop is None:
