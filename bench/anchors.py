@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -260,8 +261,6 @@ def round_ratios(mesh: list[float] | None, router: list[float] | None) -> str:
     whether the verdict holds round by round."""
     if not mesh or not router or len(mesh) != len(router) or len(mesh) < 3:
         return ""
-    import statistics
-
     rs = sorted(m / x for m, x in zip(mesh, router))
     return (f"; by round: median x{statistics.median(rs):.2f}, x{rs[0]:.2f}-{rs[-1]:.2f}, "
             f"{sum(r <= 1 for r in rs)}/{len(rs)} at or below")

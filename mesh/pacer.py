@@ -101,15 +101,15 @@ class Pacer:
         self.took += (seconds - self.took) * 0.0625
 
     def _window(self, now: float, need: float) -> bool:
-        """At the end of a window of WINDOW periods (else False at once): were the whole answers read
-        under load in it at least `need` a period, with requests taking MIN_REQUEST_PERIODS or more?
-        Sets `dense` and starts the next window."""
+        """At the end of a window of WINDOW periods: were the whole answers read under load in it at
+        least `need` a period, with requests taking MIN_REQUEST_PERIODS or more? Sets and returns
+        `dense` and starts the next window. Before its end: False, `dense` as it was."""
         span = now - self._win_at
         if span < WINDOW * self.period:
             return False
         self.dense = self._win_n * self.period >= need * span and self.took >= MIN_REQUEST_PERIODS * self.period
         self._win_at, self._win_n = now, 0
-        return True
+        return self.dense
 
     def _note_whole(self, conn: Any) -> None:
         if self.active < MIN_ACTIVE:
@@ -118,7 +118,7 @@ class Pacer:
         if self.on:
             return
         now = time.monotonic()
-        if self._window(now, WHOLE_MIN) and self.dense:   # dense answers under load: pace
+        if self._window(now, WHOLE_MIN):   # dense answers under load: pace
             self.whole_starts += 1
             self._start(now)
 
